@@ -1,0 +1,65 @@
+"""Gateway service shell: the HTTP server, the NATS connection and the instance registry.
+
+Requests come in over the OpenAI API (services/gateway/openai_api.py) and go through the
+Dispatcher; instances are known from their heartbeats.
+"""
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+from nats.aio.msg import Msg
+
+from shared import bus, messages, subjects
+from shared.config import GatewayConfig
+from shared.errors import PddError
+from shared.messages import Heartbeat
+from shared.models import load_tokenizer, max_context_tokens, resolve_model, served_model_name
+from services.gateway.dispatcher import Dispatcher
+from services.gateway.openai_api import OpenAIHandlers, error_middleware
+from services.gateway.registry import InstanceRegistry
+
+log = logging.getLogger(__name__)
+
+STALE_HEARTBEATS = 3.5  # an instance is gone after this many missed heartbeat intervals
+
+
+class GatewayService:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        path = resolve_model(config.model)
+        self.tokenizer = load_tokenizer(path)
+        self.served_model = served_model_name(path)
+        self.max_context_tokens = max_context_tokens(path)
+        self.registry = InstanceRegistry(stale_after_s=STALE_HEARTBEATS * config.common.heartbeat_s)
+
+    async def start(self) -> None:
+        self.nc = await bus.connect(self.config.common.nats_url, self.config.common.instance_id)
+        await self.nc.subscribe(subjects.heartbeat_all(), cb=self._on_heartbeat)
+        self.dispatcher = Dispatcher(self.nc, self.registry, self.config)
+        handlers = OpenAIHandlers(self.dispatcher, self.tokenizer, self.served_model, self.config,
+                                  self.max_context_tokens)
+        app = web.Application(middlewares=[error_middleware], client_max_size=self.config.max_body_bytes)
+        app.add_routes([*handlers.routes(), web.get("/healthz", self._healthz)])
+        self.runner = web.AppRunner(app, shutdown_timeout=5.0)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.config.host, self.config.port)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+        log.info("OpenAI API on http://%s:%d/v1", self.config.host, self.port)
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+        await self.nc.drain()
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            self.registry.observe(messages.decode_as(msg.data, Heartbeat))
+        except PddError as exc:
+            log.debug("bad heartbeat: %s", exc)
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        counts = self.registry.counts()
+        ok = all(counts.values()) and self.nc.is_connected
+        return web.json_response({"status": "ok" if ok else "degraded", "instances": counts},
+                                 status=200 if ok else 503)

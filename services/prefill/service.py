@@ -1,0 +1,130 @@
+"""Prefill (P) service shell: takes PrefillRequests over NATS and streams KV to the decoders.
+
+Each request's KV goes to every target (RLD and MD) in parallel, chunk by chunk as P computes.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from nats.aio.msg import Msg
+
+from shared import bus, messages, subjects, tracing
+from shared.config import PrefillConfig
+from shared.engine import EngineThread
+from shared.errors import PddError
+from shared.kv_transfer import KVSender, OutgoingTransfer, TransferState
+from shared.kv_wire import DTYPE_NAMES
+from shared.messages import Abort, Heartbeat, PrefillAccepted, PrefillDone, PrefillRequest, RequestFailed
+from shared.model_runner import ModelRunner
+from shared.models import kv_layout, load_model, resolve_model
+from shared.service_runtime import heartbeat_loop, now
+from services.prefill.prefiller import Prefiller, chunk_ranges, slice_for_target
+
+log = logging.getLogger(__name__)
+ROLE = "prefill"
+
+
+class PrefillService:
+    def __init__(self, config: PrefillConfig) -> None:
+        self.config = config
+        self.instance_id = config.common.instance_id
+        path = resolve_model(config.model.model)
+        self.layout = kv_layout(path)
+        self.runner = ModelRunner(load_model(path, config.model.dtype, config.model.device))
+        self.prefiller = Prefiller(self.runner, config.chunk_tokens)
+        self.engine = EngineThread(ROLE, config.model.torch_threads)
+        self.sender = KVSender(self.layout, DTYPE_NAMES[config.model.dtype], config.kv_connect_timeout_s)
+        self.tracer = tracing.tracer("pdd.prefill")
+        self.running: dict[str, asyncio.Task] = {}
+        self.transfers: dict[str, list[OutgoingTransfer]] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        self.nc = await bus.connect(self.config.common.nats_url, self.instance_id)
+        await self.nc.subscribe(subjects.prefill(self.instance_id), cb=self._on_prefill)
+        await self.nc.subscribe(subjects.abort(), cb=self._on_abort)
+        self._tasks.add(asyncio.create_task(
+            heartbeat_loop(self.nc, ROLE, self.config.common.heartbeat_s, self._describe)))
+
+    async def stop(self) -> None:
+        await self.nc.drain()
+        for task in [*self._tasks, *self.running.values()]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self.running.values(), return_exceptions=True)
+        await self.sender.close()
+        self.engine.shutdown()
+
+    def _describe(self) -> Heartbeat:
+        return Heartbeat(ROLE, self.instance_id, "", 0, self.layout.model_id, len(self.running), 0, now())
+
+    async def _on_prefill(self, msg: Msg) -> None:
+        try:
+            req = messages.decode_as(msg.data, PrefillRequest)
+            if req.request_id in self.running:
+                raise PddError(f"{req.request_id} is already running here")
+        except PddError as exc:
+            await bus.reply_error(msg, exc)
+            return
+        ctx = tracing.extract(msg.headers)
+        self.running[req.request_id] = asyncio.create_task(self._run(req, ctx), name=f"prefill-{req.request_id}")
+        await msg.respond(messages.encode(PrefillAccepted(req.request_id, self.instance_id)))
+
+    async def _on_abort(self, msg: Msg) -> None:
+        try:
+            abort = messages.decode_as(msg.data, Abort)
+        except PddError:
+            return
+        task = self.running.get(abort.request_id)
+        if task is not None:
+            for transfer in self.transfers.get(abort.request_id, ()):
+                transfer.abort(abort.reason)
+            task.cancel()
+
+    async def _run(self, req: PrefillRequest, ctx) -> None:
+        events = subjects.request_events(req.request_id)
+        transfers = [OutgoingTransfer(self.sender, target, req.request_id, self.config.kv_queue_chunks, req.deadline_s)
+                     for target in req.targets]
+        self.transfers[req.request_id] = transfers
+        kv_ids = req.prompt_ids[:-1]
+        try:
+            with self.tracer.start_as_current_span("prefill", context=ctx) as span:
+                span.set_attributes({"pdd.request_id": req.request_id, "pdd.prompt_tokens": len(req.prompt_ids),
+                                     "pdd.targets": [t.role for t in req.targets]})
+                t0 = time.monotonic()
+                cache = self.prefiller.new_cache()
+                for chunk in chunk_ranges(len(kv_ids), self.config.chunk_tokens):
+                    with self.tracer.start_as_current_span("prefill.chunk") as chunk_span:
+                        chunk_span.set_attributes({"pdd.token_start": chunk[0], "pdd.token_end": chunk[1]})
+                        kv = await self.engine.run(self.prefiller.compute_chunk, cache, kv_ids, chunk)
+                    for transfer in transfers:
+                        part = slice_for_target(kv, chunk, transfer.target.token_start)
+                        if part is not None:
+                            await transfer.put(*part)
+                prefill_s = time.monotonic() - t0
+                del cache
+                results = await asyncio.gather(*(t.finish(len(kv_ids)) for t in transfers))
+                for result in results:
+                    span.add_event("kv_transfer", {"pdd.role": result.target.role, "pdd.kv_bytes": result.kv_bytes,
+                                                   "pdd.send_s": result.send_s, "pdd.state": result.state.value})
+            await bus.publish(self.nc, events, PrefillDone(
+                req.request_id, self.instance_id, len(kv_ids), prefill_s,
+                {r.target.role: r.kv_bytes for r in results}, {r.target.role: r.send_s for r in results}))
+            for result in results:
+                if result.state is not TransferState.DONE:
+                    await bus.publish(self.nc, events, RequestFailed(
+                        req.request_id, ROLE, "kv_transfer_failed", result.error or "KV transfer failed"))
+        except asyncio.CancelledError:
+            for transfer in transfers:
+                transfer.abort("cancelled")
+            raise
+        except Exception as exc:
+            log.exception("prefill of %s failed", req.request_id)
+            for transfer in transfers:
+                transfer.abort("prefill failed")
+            code = exc.code if isinstance(exc, PddError) else "prefill_failed"
+            await bus.publish(self.nc, events, RequestFailed(req.request_id, ROLE, code, str(exc)))
+        finally:
+            self.running.pop(req.request_id, None)
+            self.transfers.pop(req.request_id, None)

@@ -1,0 +1,155 @@
+"""Service configuration: frozen dataclasses built from flags and PDD_* environment variables.
+
+This module is the one place where flags are declared; every service's __main__ calls
+`<Role>Config.from_argv()`. The launcher builds the same flags (see shared/launcher.py), so a
+flag named there and not here fails at start.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+DEFAULT_MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"PDD_{name}", default)
+
+
+def _add_common(parser: argparse.ArgumentParser, role: str) -> None:
+    parser.add_argument("--nats-url", default=_env("NATS_URL", DEFAULT_NATS_URL))
+    parser.add_argument("--instance-id", default=_env("INSTANCE_ID", f"{role}-{uuid.uuid4().hex[:8]}"))
+    parser.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    parser.add_argument("--otlp-endpoint", default=_env("OTLP_ENDPOINT", ""),
+                        help="OTLP/HTTP traces endpoint, e.g. http://127.0.0.1:4318/v1/traces; empty: off")
+    parser.add_argument("--heartbeat-s", type=float, default=float(_env("HEARTBEAT_S", "1.0")))
+
+
+def _add_model(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=_env("MODEL", "smollm2"),
+                        help="'smollm2' (default), 'tiny', or a local Hugging Face checkpoint path")
+    parser.add_argument("--dtype", default=_env("DTYPE", "float32"), choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--device", default=_env("DEVICE", "auto"), help="auto, cpu, cuda, cuda:N")
+    parser.add_argument("--torch-threads", type=int, default=int(_env("TORCH_THREADS", "0")),
+                        help="intra-op threads for the engine thread; 0 leaves torch's default")
+
+
+@dataclass(frozen=True)
+class CommonConfig:
+    nats_url: str
+    instance_id: str
+    log_level: str
+    otlp_endpoint: str
+    heartbeat_s: float
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    dtype: str
+    device: str
+    torch_threads: int
+
+
+def _common(ns: argparse.Namespace) -> CommonConfig:
+    return CommonConfig(ns.nats_url, ns.instance_id, ns.log_level, ns.otlp_endpoint, ns.heartbeat_s)
+
+
+def _model(ns: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(ns.model, ns.dtype, ns.device, ns.torch_threads)
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    common: CommonConfig
+    model: ModelConfig
+    chunk_tokens: int
+    kv_queue_chunks: int
+    kv_connect_timeout_s: float
+
+    @classmethod
+    def parser(cls) -> argparse.ArgumentParser:
+        p = argparse.ArgumentParser(prog="python -m services.prefill", description="pdd Prefill (P)")
+        _add_common(p, "prefill")
+        _add_model(p)
+        p.add_argument("--chunk-tokens", type=int, default=int(_env("CHUNK_TOKENS", "256")),
+                       help="prompt tokens computed per forward pass; KV streams out per chunk")
+        p.add_argument("--kv-queue-chunks", type=int, default=int(_env("KV_QUEUE_CHUNKS", "4")),
+                       help="chunks buffered per KV path before P waits for the link (backpressure)")
+        p.add_argument("--kv-connect-timeout-s", type=float, default=float(_env("KV_CONNECT_TIMEOUT_S", "5")))
+        return p
+
+    @classmethod
+    def from_argv(cls, argv: list[str] | None = None) -> PrefillConfig:
+        ns = cls.parser().parse_args(argv)
+        return cls(_common(ns), _model(ns), ns.chunk_tokens, ns.kv_queue_chunks, ns.kv_connect_timeout_s)
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """Shared by Relay Decode and Main Decode: both receive KV on their own TCP port."""
+
+    common: CommonConfig
+    model: ModelConfig
+    role: str
+    kv_host: str
+    kv_port: int
+    advertise_host: str
+
+    @classmethod
+    def parser(cls, role: str) -> argparse.ArgumentParser:
+        title = {"relay": "Relay Decode (RLD)", "main": "Main Decode (MD)"}[role]
+        p = argparse.ArgumentParser(prog=f"python -m services.{role}", description=f"pdd {title}")
+        _add_common(p, role)
+        _add_model(p)
+        p.add_argument("--kv-host", default=_env("KV_HOST", "127.0.0.1"), help="address the KV socket binds")
+        p.add_argument("--kv-port", type=int, default=int(_env("KV_PORT", "0")), help="0 picks a free port")
+        p.add_argument("--advertise-host", default=_env("ADVERTISE_HOST", ""),
+                       help="address P should dial; defaults to --kv-host (or the hostname for 0.0.0.0)")
+        return p
+
+    @classmethod
+    def from_argv(cls, role: str, argv: list[str] | None = None) -> DecoderConfig:
+        ns = cls.parser(role).parse_args(argv)
+        advertise = ns.advertise_host or (socket.gethostname() if ns.kv_host in ("0.0.0.0", "::") else ns.kv_host)
+        return cls(_common(ns), _model(ns), role, ns.kv_host, ns.kv_port, advertise)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    common: CommonConfig
+    model: str
+    host: str
+    port: int
+    default_pipeline: str
+    request_timeout_s: float
+    token_timeout_s: float
+    max_body_bytes: int
+    default_max_tokens: int
+
+    @classmethod
+    def parser(cls) -> argparse.ArgumentParser:
+        p = argparse.ArgumentParser(prog="python -m services.gateway", description="pdd gateway (OpenAI API)")
+        _add_common(p, "gateway")
+        p.add_argument("--model", default=_env("MODEL", "smollm2"),
+                       help="model whose tokenizer and chat template the gateway uses; same as the workers'")
+        p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
+        p.add_argument("--port", type=int, default=int(_env("PORT", "8000")))
+        p.add_argument("--pipeline", dest="default_pipeline", default=_env("PIPELINE", "p-rld-md"),
+                       choices=("p-md", "p-rld-md"), help="pipeline for requests that do not name one")
+        p.add_argument("--request-timeout-s", type=float, default=float(_env("REQUEST_TIMEOUT_S", "300")))
+        p.add_argument("--token-timeout-s", type=float, default=float(_env("TOKEN_TIMEOUT_S", "60")),
+                       help="longest wait for the next token before the request fails")
+        p.add_argument("--max-body-bytes", type=int, default=int(_env("MAX_BODY_BYTES", str(4 * 1024 * 1024))))
+        p.add_argument("--default-max-tokens", type=int, default=int(_env("DEFAULT_MAX_TOKENS", "256")))
+        return p
+
+    @classmethod
+    def from_argv(cls, argv: list[str] | None = None) -> GatewayConfig:
+        ns = cls.parser().parse_args(argv)
+        return cls(_common(ns), ns.model, ns.host, ns.port, ns.default_pipeline, ns.request_timeout_s,
+                   ns.token_timeout_s, ns.max_body_bytes, ns.default_max_tokens)

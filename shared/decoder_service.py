@@ -1,0 +1,157 @@
+"""The async shell shared by Relay Decode and Main Decode.
+
+Both decoders receive KV on their own TCP port, accept DecodeAssigns over NATS, turn the KV
+into a cache on the engine thread and publish tokens to the request's event subject. What each
+does once the KV is there (RLD: decode eagerly, hand off; MD: take over) is the subclass's
+`decode` method.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from nats.aio.msg import Msg
+from opentelemetry import context as otel_context
+
+from shared import bus, messages, subjects, tracing
+from shared.config import DecoderConfig
+from shared.engine import EngineThread
+from shared.errors import PddError
+from shared.kv_transfer import KVInbox, KVReceiver
+from shared.kv_wire import DTYPE_NAMES
+from shared.messages import Abort, DecodeAccepted, DecodeAssign, Heartbeat, RequestFailed, TokenChunk
+from shared.model_runner import DecodeSequence, ModelRunner
+from shared.models import kv_layout, load_model, resolve_model
+from shared.service_runtime import heartbeat_loop, now
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeRequest:
+    """One request on a decoder, from assignment to release."""
+
+    assign: DecodeAssign
+    inbox: KVInbox
+    trace_context: otel_context.Context
+    assigned_at: float = field(default_factory=time.monotonic)
+    kv_ready: asyncio.Event = field(default_factory=asyncio.Event)
+    handoff: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    task: asyncio.Task | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.assign.request_id
+
+    @property
+    def events_subject(self) -> str:
+        return subjects.request_events(self.assign.request_id)
+
+
+class DecoderService:
+    role: str = ""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        self.config = config
+        self.instance_id = config.common.instance_id
+        path = resolve_model(config.model.model)
+        self.layout = kv_layout(path)
+        self.runner = ModelRunner(load_model(path, config.model.dtype, config.model.device))
+        self.engine = EngineThread(self.role, config.model.torch_threads)
+        self.receiver = KVReceiver(self.layout, DTYPE_NAMES[config.model.dtype])
+        self.tracer = tracing.tracer(f"pdd.{self.role}")
+        self.requests: dict[str, DecodeRequest] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        self.kv_port = await self.receiver.start(self.config.kv_host, self.config.kv_port)
+        log.info("KV socket on %s:%d (advertised as %s)", self.config.kv_host, self.kv_port, self.config.advertise_host)
+        self.nc = await bus.connect(self.config.common.nats_url, self.instance_id)
+        await self.nc.subscribe(subjects.decode_assign(self.role, self.instance_id), cb=self._on_assign)
+        await self.nc.subscribe(subjects.abort(), cb=self._on_abort)
+        await self.subscribe_role()
+        self._tasks.add(asyncio.create_task(
+            heartbeat_loop(self.nc, self.role, self.config.common.heartbeat_s, self._describe)))
+
+    async def subscribe_role(self) -> None:
+        """Subscriptions only this role has."""
+
+    async def stop(self) -> None:
+        await self.nc.drain()
+        tasks = [*self._tasks, *(r.task for r in self.requests.values() if r.task)]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.receiver.stop()
+        self.engine.shutdown()
+
+    def _describe(self) -> Heartbeat:
+        return Heartbeat(self.role, self.instance_id, self.config.advertise_host, self.kv_port,
+                         self.layout.model_id, len(self.requests), 0, now())
+
+    async def _on_assign(self, msg: Msg) -> None:
+        try:
+            assign = messages.decode_as(msg.data, DecodeAssign)
+            if assign.request_id in self.requests:
+                raise PddError(f"{assign.request_id} is already assigned here")
+        except PddError as exc:
+            await bus.reply_error(msg, exc)
+            return
+        inbox = self.receiver.expect(assign.request_id, 0, assign.kv_tokens)
+        request = DecodeRequest(assign, inbox, tracing.extract(msg.headers))
+        self.requests[assign.request_id] = request
+        request.task = asyncio.create_task(self._serve(request), name=f"{self.role}-{assign.request_id}")
+        await msg.respond(messages.encode(DecodeAccepted(
+            assign.request_id, self.instance_id, self.config.advertise_host, self.kv_port)))
+
+    async def _on_abort(self, msg: Msg) -> None:
+        try:
+            abort = messages.decode_as(msg.data, Abort)
+        except PddError:
+            return
+        request = self.requests.get(abort.request_id)
+        if request is not None and request.task is not None:
+            request.task.cancel()
+
+    async def _serve(self, request: DecodeRequest) -> None:
+        try:
+            with self.tracer.start_as_current_span(f"{self.role}.request", context=request.trace_context) as span:
+                span.set_attribute("pdd.request_id", request.request_id)
+                with self.tracer.start_as_current_span(f"{self.role}.kv_wait") as wait_span:
+                    kv = await request.inbox.wait(request.assign.deadline_s)
+                    wait_span.set_attribute("pdd.kv_bytes", request.inbox.bytes_received)
+                seq = await self.engine.run(self._new_sequence, request.assign, kv)
+                await self.decode(request, seq)
+        except asyncio.CancelledError:
+            raise
+        except PddError as exc:
+            log.warning("%s failed on %s: %s", request.request_id, self.role, exc)
+            await self._publish_failure(request, exc.code, str(exc))
+        except Exception as exc:
+            log.exception("%s failed on %s", request.request_id, self.role)
+            await self._publish_failure(request, "internal_error", str(exc))
+        finally:
+            self.receiver.release(request.request_id)
+            self.requests.pop(request.request_id, None)
+
+    def _new_sequence(self, assign: DecodeAssign, kv) -> DecodeSequence:
+        return DecodeSequence(assign.request_id, assign.prompt_ids, assign.sampling,
+                              self.runner.cache_from_kv(kv), self.runner.max_context_tokens)
+
+    async def decode(self, request: DecodeRequest, seq: DecodeSequence) -> None:
+        raise NotImplementedError
+
+    async def step(self, request: DecodeRequest, seq: DecodeSequence, feed_ids: list[int]) -> str | None:
+        """One forward pass on the engine thread; publishes the token it makes."""
+        token, finish_reason = await self.engine.run(self.runner.decode_step, seq, feed_ids)
+        await bus.publish(self.nc, request.events_subject, TokenChunk(
+            request.request_id, len(seq.output_ids) - 1, [token], self.role, finish_reason))
+        return finish_reason
+
+    async def _publish_failure(self, request: DecodeRequest, code: str, message: str) -> None:
+        try:
+            await bus.publish(self.nc, request.events_subject, RequestFailed(request.request_id, self.role, code, message))
+        except Exception as exc:  # the gateway's own deadline still ends the request
+            log.warning("could not report failure of %s: %s", request.request_id, exc)

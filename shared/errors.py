@@ -1,0 +1,47 @@
+"""Exception types that callers handle differently.
+
+Each service turns these into an HTTP or NATS error in exactly one place.
+"""
+from __future__ import annotations
+
+
+class PddError(Exception):
+    """Base of every error pdd raises on purpose."""
+
+    code = "internal_error"
+
+
+class BadRequest(PddError):
+    """The client's request is malformed or asks for something impossible."""
+
+    code = "invalid_request_error"
+
+
+class PeerGone(PddError):
+    """A peer service, connection or instance is not there any more."""
+
+    code = "peer_unavailable"
+
+
+class DeadlineExceeded(PddError):
+    """A wait on a peer ran past its deadline."""
+
+    code = "deadline_exceeded"
+
+
+class IncompatiblePeer(PddError):
+    """A KV peer runs another model, layout or protocol version."""
+
+    code = "incompatible_peer"
+
+
+class ProtocolError(PddError):
+    """A peer sent bytes that do not follow the wire format."""
+
+    code = "protocol_error"
+
+
+class RequestAborted(PddError):
+    """The request was aborted (client gone, stop string, or a tier failed)."""
+
+    code = "aborted"

@@ -1,0 +1,394 @@
+"""KV transfer over TCP: the decoder's receiving side and P's sending side.
+
+Each transfer is a small state machine (TransferState) moved only by `_move`. The receiver
+(`KVReceiver`) listens on the decoder's KV port and fills one `KVInbox` per expected request;
+the sender (`KVSender`) keeps one handshaken connection per decoder address, and an
+`OutgoingTransfer` streams one request's chunks to one decoder through a bounded queue, so a
+slow link makes P wait instead of buffering without bound. Frames for a request the receiver
+does not expect (late, duplicate, aborted) are read and dropped.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from dataclasses import dataclass
+
+import orjson
+import torch
+
+from shared import kv_wire
+from shared.errors import DeadlineExceeded, IncompatiblePeer, PddError, PeerGone, ProtocolError, RequestAborted
+from shared.messages import KVTarget
+from shared.models import KVLayout
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_S = 5.0
+
+
+class TransferState(enum.Enum):
+    WAITING = "waiting"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+
+_ALLOWED = {
+    TransferState.WAITING: {TransferState.TRANSFERRING, TransferState.DONE, TransferState.FAILED,
+                            TransferState.ABORTED},
+    TransferState.TRANSFERRING: {TransferState.DONE, TransferState.FAILED, TransferState.ABORTED},
+    TransferState.DONE: set(),
+    TransferState.FAILED: set(),
+    TransferState.ABORTED: set(),
+}
+
+
+class _StateMachine:
+    state = TransferState.WAITING
+
+    def _move(self, new: TransferState) -> None:
+        if new not in _ALLOWED[self.state]:
+            raise RuntimeError(f"illegal transfer transition {self.state.value} -> {new.value}")
+        self.state = new
+
+    @property
+    def ended(self) -> bool:
+        return not _ALLOWED[self.state]
+
+
+# --- receiving side (RLD, MD) ---------------------------------------------------------------
+
+class KVInbox(_StateMachine):
+    """One request's KV arriving at a decoder: tokens [token_start, token_end) of every layer."""
+
+    def __init__(self, request_id: str, layout: KVLayout, token_start: int, token_end: int,
+                 dtype: torch.dtype) -> None:
+        self.request_id = request_id
+        self.token_start = token_start
+        self.token_end = token_end
+        self.layout = layout
+        tokens = token_end - token_start
+        self.kv = torch.empty(layout.num_layers, 2, layout.kv_heads, tokens, layout.head_dim, dtype=dtype)
+        self._cells_needed = layout.num_layers * tokens
+        self._cells_filled = 0
+        self._seen: set[tuple[int, int, int, int]] = set()
+        self.bytes_received = 0
+        self.first_frame_at: float | None = None
+        self.done_at: float | None = None
+        self.error: PddError | None = None
+        self._ended = asyncio.Event()
+        if tokens == 0:
+            self._finish()
+
+    def accept(self, header: kv_wire.FrameHeader, kv: torch.Tensor) -> None:
+        if self.ended:
+            return
+        key = (header.layer_start, header.layer_end, header.token_start, header.token_end)
+        if key in self._seen:
+            return  # a duplicate frame changes nothing
+        if (header.layer_end > self.layout.num_layers or header.token_start < self.token_start
+                or header.token_end > self.token_end):
+            self.fail(ProtocolError(f"frame {key} outside the expected range"))
+            return
+        if self.state is TransferState.WAITING:
+            self._move(TransferState.TRANSFERRING)
+            self.first_frame_at = time.monotonic()
+        self._seen.add(key)
+        t0, t1 = header.token_start - self.token_start, header.token_end - self.token_start
+        self.kv[header.layer_start:header.layer_end, :, :, t0:t1].copy_(kv)
+        self._cells_filled += (header.layer_end - header.layer_start) * (t1 - t0)
+        self.bytes_received += header.payload_len
+        if self._cells_filled >= self._cells_needed:
+            self._finish()
+
+    def _finish(self) -> None:
+        self._move(TransferState.DONE)
+        self.done_at = time.monotonic()
+        self._ended.set()
+
+    def fail(self, error: PddError) -> None:
+        if not self.ended:
+            self.error = error
+            self._move(TransferState.FAILED)
+            self._ended.set()
+
+    def abort(self, reason: str) -> None:
+        if not self.ended:
+            self.error = RequestAborted(f"KV transfer aborted: {reason}")
+            self._move(TransferState.ABORTED)
+            self._ended.set()
+
+    async def wait(self, timeout_s: float) -> torch.Tensor:
+        """The complete KV [layers, 2, kv_heads, tokens, head_dim], or the transfer's error."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._ended.wait()
+        except TimeoutError:
+            self.fail(DeadlineExceeded(f"KV for {self.request_id} not complete within {timeout_s:.1f}s"))
+        if self.state is not TransferState.DONE:
+            raise self.error
+        return self.kv
+
+
+class KVReceiver:
+    """The decoder's KV port: handshakes senders and routes frames into inboxes."""
+
+    def __init__(self, layout: KVLayout, dtype: torch.dtype) -> None:
+        self.layout = layout
+        self.dtype = dtype
+        self.inboxes: dict[str, KVInbox] = {}
+        self.frames_dropped = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._writers)
+
+    def expect(self, request_id: str, token_start: int, token_end: int) -> KVInbox:
+        inbox = KVInbox(request_id, self.layout, token_start, token_end, self.dtype)
+        self.inboxes[request_id] = inbox
+        return inbox
+
+    def release(self, request_id: str, reason: str = "released") -> None:
+        inbox = self.inboxes.pop(request_id, None)
+        if inbox is not None:
+            inbox.abort(reason)
+
+    async def start(self, host: str, port: int) -> int:
+        self._server = await asyncio.start_server(self._serve_connection, host, port)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._writers):
+            writer.close()
+        for inbox in list(self.inboxes.values()):
+            inbox.abort("decoder shutting down")
+        self.inboxes.clear()
+
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        self._writers.add(writer)
+        try:
+            await self._handshake(reader, writer)
+            while True:
+                await self._read_frame(reader)
+        except asyncio.IncompleteReadError:
+            log.debug("KV peer %s closed", peer)
+        except (ProtocolError, IncompatiblePeer) as exc:
+            log.warning("KV peer %s refused: %s", peer, exc)
+        except ConnectionError as exc:
+            log.info("KV peer %s connection lost: %s", peer, exc)
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+            length = kv_wire.unpack_length(await reader.readexactly(kv_wire.LENGTH_PREFIX_BYTES))
+            try:
+                msg = orjson.loads(await reader.readexactly(length))
+                if not isinstance(msg, dict):
+                    raise ProtocolError("handshake is not a JSON object")
+                kv_wire.check_hello(msg, self.layout)
+            except (orjson.JSONDecodeError, ProtocolError, IncompatiblePeer) as exc:
+                writer.write(kv_wire.pack_message({"ok": False, "reason": str(exc)}))
+                await writer.drain()
+                raise IncompatiblePeer(str(exc)) from exc
+            writer.write(kv_wire.pack_message({"ok": True, "model_id": self.layout.model_id}))
+            await writer.drain()
+
+    async def _read_frame(self, reader: asyncio.StreamReader) -> None:
+        header = kv_wire.unpack_header(await reader.readexactly(kv_wire.FRAME_HEADER.size))
+        payload = await reader.readexactly(header.payload_len) if header.payload_len else b""
+        inbox = self.inboxes.get(header.request_id)
+        if inbox is None or inbox.ended:
+            self.frames_dropped += 1
+            return
+        if header.kind is kv_wire.FrameKind.ABORT:
+            inbox.abort("sender aborted")
+        elif header.kind is kv_wire.FrameKind.DATA:
+            try:
+                inbox.accept(header, kv_wire.payload_to_tensor(header, payload))
+            except ProtocolError as exc:
+                inbox.fail(exc)
+                raise
+
+
+# --- sending side (P) -----------------------------------------------------------------------
+
+class KVConnection:
+    """One handshaken TCP connection from P to a decoder's KV port; frames are written whole."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.lock = asyncio.Lock()
+
+    @property
+    def closed(self) -> bool:
+        return self.writer.is_closing() or self.reader.at_eof()
+
+    async def write(self, *parts: bytes | memoryview) -> None:
+        async with self.lock:
+            for part in parts:
+                self.writer.write(part)
+            await self.writer.drain()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class KVSender:
+    """P's pool of connections to decoders, one per address, opened on first use."""
+
+    def __init__(self, layout: KVLayout, wire_dtype: torch.dtype, connect_timeout_s: float) -> None:
+        self.layout = layout
+        self.wire_dtype = wire_dtype
+        self.connect_timeout_s = connect_timeout_s
+        self._connections: dict[tuple[str, int], KVConnection] = {}
+        self._connecting: dict[tuple[str, int], asyncio.Lock] = {}
+
+    async def connection(self, host: str, port: int) -> KVConnection:
+        key = (host, port)
+        lock = self._connecting.setdefault(key, asyncio.Lock())
+        async with lock:
+            conn = self._connections.get(key)
+            if conn is not None and not conn.closed:
+                return conn
+            conn = await self._open(host, port)
+            self._connections[key] = conn
+            return conn
+
+    async def _open(self, host: str, port: int) -> KVConnection:
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                reader, writer = await asyncio.open_connection(host, port)
+                writer.write(kv_wire.pack_message(kv_wire.hello(self.layout, self.wire_dtype)))
+                await writer.drain()
+                length = kv_wire.unpack_length(await reader.readexactly(kv_wire.LENGTH_PREFIX_BYTES))
+                reply = orjson.loads(await reader.readexactly(length))
+        except TimeoutError as exc:
+            raise DeadlineExceeded(f"KV connect to {host}:{port} took over {self.connect_timeout_s}s") from exc
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            raise PeerGone(f"KV connect to {host}:{port} failed: {exc}") from exc
+        if not reply.get("ok"):
+            writer.close()
+            raise IncompatiblePeer(f"decoder {host}:{port} refused: {reply.get('reason')}")
+        return KVConnection(reader, writer)
+
+    def drop(self, host: str, port: int) -> None:
+        conn = self._connections.pop((host, port), None)
+        if conn is not None:
+            conn.close()
+
+    async def close(self) -> None:
+        for conn in self._connections.values():
+            conn.close()
+        self._connections.clear()
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    target: KVTarget
+    state: TransferState
+    kv_bytes: int
+    send_s: float
+    error: str | None
+
+
+_END = object()
+
+
+class OutgoingTransfer(_StateMachine):
+    """Streams one request's KV chunks to one decoder; `put` waits while the queue is full."""
+
+    def __init__(self, sender: KVSender, target: KVTarget, request_id: str, queue_chunks: int,
+                 deadline_s: float) -> None:
+        self.sender = sender
+        self.target = target
+        self.request_id = request_id
+        self.deadline_s = deadline_s
+        self.kv_bytes = 0
+        self.error: str | None = None
+        self._queue: asyncio.Queue = asyncio.Queue(maxsize=max(1, queue_chunks))
+        self._started = time.monotonic()
+        self._task = asyncio.create_task(self._pump(), name=f"kv-send-{request_id}-{target.role}")
+
+    async def put(self, token_start: int, kv: torch.Tensor) -> None:
+        """kv: [layers, 2, kv_heads, tokens, head_dim] for absolute tokens starting at token_start."""
+        if not self.ended:
+            await self._queue.put((token_start, kv))
+
+    async def finish(self, token_end: int) -> TransferResult:
+        if not self.ended:
+            await self._queue.put((_END, token_end))
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            if not self._task.cancelled():
+                raise
+        return TransferResult(self.target, self.state, self.kv_bytes, time.monotonic() - self._started, self.error)
+
+    def abort(self, reason: str) -> None:
+        """Stop sending; tell the decoder if the connection is healthy. Idempotent."""
+        if self.ended:
+            return
+        self._move(TransferState.ABORTED)
+        self.error = reason
+        self._task.cancel()
+        asyncio.create_task(self._send_abort_frame())  # owned by the event loop; bounded by its timeout
+
+    async def _send_abort_frame(self) -> None:
+        try:
+            async with asyncio.timeout(1.0):
+                conn = await self.sender.connection(self.target.host, self.target.port)
+                layout = self.sender.layout
+                await conn.write(kv_wire.pack_header(kv_wire.FrameKind.ABORT, self.request_id, (0, 0), (0, 0),
+                                                     self.sender.wire_dtype, layout.kv_heads, layout.head_dim))
+        except asyncio.CancelledError:
+            raise
+        except (PddError, OSError, TimeoutError) as exc:
+            log.debug("abort frame for %s not sent: %s", self.request_id, exc)
+
+    async def _pump(self) -> None:
+        try:
+            async with asyncio.timeout(self.deadline_s):
+                if self.target.delay_s > 0:
+                    await asyncio.sleep(self.target.delay_s)
+                conn = await self.sender.connection(self.target.host, self.target.port)
+                while True:
+                    token_start, item = await self._queue.get()
+                    if token_start is _END:
+                        layout = self.sender.layout
+                        await conn.write(kv_wire.pack_header(
+                            kv_wire.FrameKind.END, self.request_id, (0, layout.num_layers), (0, item),
+                            self.sender.wire_dtype, layout.kv_heads, layout.head_dim))
+                        break
+                    if self.state is TransferState.WAITING:
+                        self._move(TransferState.TRANSFERRING)
+                    header, payload = kv_wire.pack_data_frame(self.request_id, 0, token_start, item,
+                                                              self.sender.wire_dtype)
+                    await conn.write(header, payload)
+                    self.kv_bytes += len(header) + len(payload)
+            self._move(TransferState.DONE)
+        except asyncio.CancelledError:
+            raise
+        except TimeoutError:
+            self.sender.drop(self.target.host, self.target.port)  # a stuck link: the next transfer redials
+            self._fail(f"KV send to {self.target.role} not done within {self.deadline_s:.1f}s")
+        except (PddError, OSError) as exc:
+            self.sender.drop(self.target.host, self.target.port)
+            self._fail(f"KV send to {self.target.role} failed: {exc}")
+
+    def _fail(self, reason: str) -> None:
+        if not self.ended:
+            self.error = reason
+            self._move(TransferState.FAILED)
+        while not self._queue.empty():  # unblock a producer waiting in put()
+            self._queue.get_nowait()

@@ -1,0 +1,158 @@
+"""KV wire format: the connection handshake and the binary frame that carries KV bytes.
+
+A connection opens with HELLO (length-prefixed JSON) from the sender and a WELCOME or REFUSE
+from the receiver; after that, frames only. A frame is a fixed header (see FRAME_HEADER) and
+a payload of `payload_len` bytes holding K and V for a layer range and a token range, laid
+out as [layers, 2 (K, V), kv_heads, tokens, head_dim] in the frame's dtype. This module only
+packs and checks bytes; it owns no sockets.
+"""
+from __future__ import annotations
+
+import enum
+import struct
+import uuid
+import zlib
+from dataclasses import dataclass
+
+import orjson
+import torch
+
+from shared.errors import IncompatiblePeer, ProtocolError
+from shared.models import KVLayout
+
+MAGIC = b"PDKV"
+PROTOCOL_VERSION = 1
+MAX_HELLO_BYTES = 64 * 1024
+MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
+
+# magic, version, kind, dtype code, pad, request id (16 bytes), layer start/end, token start/end,
+# kv heads, head dim, payload length, crc32 of the payload
+FRAME_HEADER = struct.Struct("!4sBBBx16sHHIIHHII")
+_LENGTH = struct.Struct("!I")
+
+
+class FrameKind(enum.IntEnum):
+    DATA = 1
+    END = 2  # token_end carries the transfer's total token count; no payload
+    ABORT = 3  # the sender gave up on this request; no payload
+
+
+WIRE_DTYPES: dict[int, torch.dtype] = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16}
+DTYPE_CODES = {dtype: code for code, dtype in WIRE_DTYPES.items()}
+DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    kind: FrameKind
+    request_id: str
+    layer_start: int
+    layer_end: int
+    token_start: int
+    token_end: int
+    dtype: torch.dtype
+    kv_heads: int
+    head_dim: int
+    payload_len: int
+    crc32: int
+
+    @property
+    def expected_payload_len(self) -> int:
+        if self.kind != FrameKind.DATA:
+            return 0
+        elements = (self.layer_end - self.layer_start) * 2 * self.kv_heads * (self.token_end - self.token_start)
+        return elements * self.head_dim * self.dtype.itemsize
+
+
+def request_id_bytes(request_id: str) -> bytes:
+    """Request ids are uuid4 hex strings, optionally with a short 'req-' prefix."""
+    return uuid.UUID(request_id.removeprefix("req-")).bytes
+
+
+def pack_header(kind: FrameKind, request_id: str, layer_range: tuple[int, int], token_range: tuple[int, int],
+                dtype: torch.dtype, kv_heads: int, head_dim: int, payload: bytes | memoryview = b"") -> bytes:
+    return FRAME_HEADER.pack(
+        MAGIC, PROTOCOL_VERSION, kind, DTYPE_CODES[dtype], request_id_bytes(request_id),
+        layer_range[0], layer_range[1], token_range[0], token_range[1], kv_heads, head_dim,
+        len(payload), zlib.crc32(payload))
+
+
+def pack_data_frame(request_id: str, layer_start: int, token_start: int,
+                    kv: torch.Tensor, wire_dtype: torch.dtype) -> tuple[bytes, memoryview]:
+    """kv: [layers, 2, kv_heads, tokens, head_dim]. Returns (header, payload) to write back to back."""
+    wire = kv.to(device="cpu", dtype=wire_dtype).contiguous()
+    payload = memoryview(wire.view(torch.uint8).numpy()).cast("B")
+    layers, _, kv_heads, tokens, head_dim = wire.shape
+    header = pack_header(FrameKind.DATA, request_id, (layer_start, layer_start + layers),
+                         (token_start, token_start + tokens), wire_dtype, kv_heads, head_dim, payload)
+    return header, payload
+
+
+def unpack_header(data: bytes, request_id_prefix: str = "req-") -> FrameHeader:
+    try:
+        (magic, version, kind, dtype_code, rid, ls, le, ts, te, heads, dim, length, crc) = FRAME_HEADER.unpack(data)
+    except struct.error as exc:
+        raise ProtocolError(f"short frame header: {exc}") from exc
+    if magic != MAGIC:
+        raise ProtocolError("bad frame magic")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"frame version {version}, expected {PROTOCOL_VERSION}")
+    try:
+        header = FrameHeader(FrameKind(kind), request_id_prefix + uuid.UUID(bytes=rid).hex, ls, le, ts, te,
+                             WIRE_DTYPES[dtype_code], heads, dim, length, crc)
+    except (ValueError, KeyError) as exc:
+        raise ProtocolError(f"bad frame field: {exc}") from exc
+    if length > MAX_PAYLOAD_BYTES:
+        raise ProtocolError(f"frame payload {length} bytes exceeds {MAX_PAYLOAD_BYTES}")
+    if header.kind == FrameKind.DATA and (ls >= le or ts >= te):
+        raise ProtocolError("empty layer or token range")
+    if length != header.expected_payload_len:
+        raise ProtocolError(f"payload length {length} does not match its shape ({header.expected_payload_len})")
+    return header
+
+
+def payload_to_tensor(header: FrameHeader, payload: bytes | bytearray) -> torch.Tensor:
+    """Check the checksum and view the payload as [layers, 2, kv_heads, tokens, head_dim]."""
+    if zlib.crc32(payload) != header.crc32:
+        raise ProtocolError(f"checksum mismatch in frame for {header.request_id}")
+    flat = torch.frombuffer(bytearray(payload) if isinstance(payload, bytes) else payload, dtype=header.dtype)
+    return flat.view(header.layer_end - header.layer_start, 2, header.kv_heads,
+                     header.token_end - header.token_start, header.head_dim)
+
+
+# --- handshake -----------------------------------------------------------------------------
+
+def pack_message(obj: dict) -> bytes:
+    body = orjson.dumps(obj)
+    return _LENGTH.pack(len(body)) + body
+
+
+def unpack_length(prefix: bytes) -> int:
+    (length,) = _LENGTH.unpack(prefix)
+    if length > MAX_HELLO_BYTES:
+        raise ProtocolError(f"handshake message of {length} bytes exceeds {MAX_HELLO_BYTES}")
+    return length
+
+
+LENGTH_PREFIX_BYTES = _LENGTH.size
+
+
+def hello(layout: KVLayout, wire_dtype: torch.dtype, extra: dict | None = None) -> dict:
+    return {
+        "magic": MAGIC.decode(), "version": PROTOCOL_VERSION, "model_id": layout.model_id,
+        "num_layers": layout.num_layers, "kv_heads": layout.kv_heads, "head_dim": layout.head_dim,
+        "wire_dtype": str(wire_dtype).removeprefix("torch."), **(extra or {}),
+    }
+
+
+def check_hello(msg: dict, layout: KVLayout) -> None:
+    """Raise IncompatiblePeer naming the first field that differs from this decoder's layout."""
+    if msg.get("magic") != MAGIC.decode():
+        raise ProtocolError("not a pdd KV peer")
+    expected = {"version": PROTOCOL_VERSION, "model_id": layout.model_id, "num_layers": layout.num_layers,
+                "kv_heads": layout.kv_heads, "head_dim": layout.head_dim}
+    for key, value in expected.items():
+        if msg.get(key) != value:
+            raise IncompatiblePeer(f"peer {key}={msg.get(key)!r}, this decoder has {value!r}")
+    if msg.get("wire_dtype") not in DTYPE_NAMES:
+        raise IncompatiblePeer(f"unknown wire dtype {msg.get('wire_dtype')!r}")

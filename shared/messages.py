@@ -1,0 +1,205 @@
+"""Every NATS message pdd sends: small dataclasses with one encode/decode pair.
+
+Messages travel as orjson objects with a "type" field naming the class. docs/protocol.md
+mirrors this module; change both together.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+import orjson
+
+from shared.errors import ProtocolError
+from shared.sampling import SamplingParams
+
+PIPELINES = ("p-md", "p-rld-md")
+TIERS = ("prefill", "relay", "main")
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    role: str
+    instance_id: str
+    kv_host: str
+    kv_port: int
+    model_id: str
+    running: int
+    waiting: int
+    sent_at: float
+
+
+@dataclass(frozen=True)
+class KVTarget:
+    """Where P streams one copy of a prompt's KV, and from which token on."""
+
+    role: str
+    host: str
+    port: int
+    token_start: int = 0
+    delay_s: float = 0.0  # test/demo knob: hold this path back before the first frame
+
+
+@dataclass(frozen=True)
+class DecodeAssign:
+    """Gateway to RLD or MD: expect this request's KV, then decode it."""
+
+    request_id: str
+    pipeline: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    relay_instance: str | None
+    main_instance: str
+    deadline_s: float
+    handoff_at: int | None = None  # test knob: RLD hands off after exactly this many tokens
+    trace_context: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def kv_tokens(self) -> int:
+        """P sends KV for every prompt token but the last; the decoder feeds the last one itself."""
+        return len(self.prompt_ids) - 1
+
+
+@dataclass(frozen=True)
+class DecodeAccepted:
+    request_id: str
+    instance_id: str
+    kv_host: str
+    kv_port: int
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    request_id: str
+    prompt_ids: list[int]
+    targets: list[KVTarget]
+    deadline_s: float
+    trace_context: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PrefillAccepted:
+    request_id: str
+    instance_id: str
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    """P to the request's event subject once every KV path is sent (or failed)."""
+
+    request_id: str
+    instance_id: str
+    computed_tokens: int
+    prefill_s: float
+    kv_bytes: dict[str, int]
+    kv_send_s: dict[str, float]
+
+
+@dataclass(frozen=True)
+class KVReady:
+    """MD to RLD: the prompt KV is complete on MD; hand off at your next step."""
+
+    request_id: str
+    main_instance: str
+    kv_received_at: float
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """RLD to MD: the eager token IDs (One-Shot), or `finished` if RLD completed the request."""
+
+    request_id: str
+    eager_ids: list[int]
+    finished: bool
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """Decoder to gateway: output tokens start..start+len-1, produced by `tier`."""
+
+    request_id: str
+    start: int
+    token_ids: list[int]
+    tier: str
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class HandoffStats:
+    """MD to gateway, once, when it takes over from RLD."""
+
+    request_id: str
+    eager_tokens: int
+    kv_wait_s: float
+    handoff_s: float
+    extend_s: float
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    request_id: str
+    tier: str
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """The reply to a request/reply call that could not be served."""
+
+    code: str
+    message: str
+
+
+MESSAGE_TYPES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        Heartbeat, DecodeAssign, DecodeAccepted, PrefillRequest, PrefillAccepted, PrefillDone,
+        KVReady, Handoff, TokenChunk, HandoffStats, RequestFailed, Abort, ErrorReply,
+    )
+}
+
+
+def _to_plain(msg: object) -> dict:
+    d = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    for key, value in d.items():
+        if isinstance(value, SamplingParams):
+            d[key] = value.to_dict()
+        elif isinstance(value, list) and value and isinstance(value[0], KVTarget):
+            d[key] = [dataclasses.asdict(t) for t in value]
+    d["type"] = type(msg).__name__
+    return d
+
+
+def encode(msg: object) -> bytes:
+    return orjson.dumps(_to_plain(msg))
+
+
+def decode(data: bytes) -> object:
+    """Parse one message; raises ProtocolError on anything that is not a known, well-formed one."""
+    try:
+        d = orjson.loads(data)
+        cls = MESSAGE_TYPES[d.pop("type")]
+        if "sampling" in d:
+            d["sampling"] = SamplingParams.from_dict(d["sampling"])
+        if "targets" in d:
+            d["targets"] = [KVTarget(**t) for t in d["targets"]]
+        return cls(**d)
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise ProtocolError(f"malformed message: {exc}") from exc
+
+
+def decode_as(data: bytes, cls: type) -> object:
+    msg = decode(data)
+    if isinstance(msg, ErrorReply) and cls is not ErrorReply:
+        return msg
+    if not isinstance(msg, cls):
+        raise ProtocolError(f"expected {cls.__name__}, got {type(msg).__name__}")
+    return msg

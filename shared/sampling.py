@@ -1,0 +1,74 @@
+"""Sampling parameters and a sampler whose random draw depends only on (seed, token index).
+
+Because the draw for token i is a pure function of the request's seed and i, a seeded request
+yields the same tokens whichever tier (RLD or MD) happens to produce token i.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from shared.errors import BadRequest
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise BadRequest("max_tokens must be at least 1")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise BadRequest("temperature must be between 0 and 100")
+        if not 0.0 < self.top_p <= 1.0:
+            raise BadRequest("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise BadRequest("top_k must be 0 (off) or positive")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SamplingParams:
+        return cls(**{**d, "stop_token_ids": tuple(d.get("stop_token_ids", ()))})
+
+    def is_stop(self, token_id: int) -> bool:
+        return not self.ignore_eos and token_id in self.stop_token_ids
+
+
+def _draw_seed(seed: int, token_index: int) -> int:
+    digest = hashlib.blake2b(f"{seed}:{token_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, token_index: int) -> int:
+    """Pick the token at absolute output position `token_index` from last-position logits [vocab]."""
+    if params.greedy:
+        return int(torch.argmax(logits).item())
+    scores = logits.float() / params.temperature
+    if params.top_k > 0 and params.top_k < scores.numel():
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+        probs = probs / probs.sum()
+    generator = torch.Generator(device="cpu").manual_seed(_draw_seed(params.seed, token_index))
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())

@@ -1,0 +1,77 @@
+"""What every pdd service does the same way: logging, signals, heartbeats, ordered shutdown.
+
+A service object has `async start()`, `async stop()` and a `heartbeat()` that describes it;
+`run_service` starts it, waits for SIGINT/SIGTERM (signals only set an Event; a second one
+forces exit), then stops it within a deadline.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from nats.aio.client import Client as NATS
+
+from shared import bus, subjects
+from shared.messages import Heartbeat
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
+class Service(Protocol):
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+
+
+def setup_logging(level: str, instance_id: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s {instance_id} %(name)s: %(message)s")
+
+
+async def heartbeat_loop(nc: NATS, role: str, interval_s: float, describe: Callable[[], Heartbeat]) -> None:
+    """Announce this instance every interval; the gateway forgets instances that go quiet."""
+    while True:
+        if nc.is_connected:
+            try:
+                await bus.publish(nc, subjects.heartbeat(role), describe())
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a missed beat is retried next interval
+                log.debug("heartbeat not sent: %s", exc)
+        await asyncio.sleep(interval_s)
+
+
+def now() -> float:
+    return time.time()
+
+
+async def run_service(service: Service, name: str) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            log.warning("second signal: exiting now")
+            os._exit(1)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    await service.start()
+    log.info("%s ready", name)
+    await stop.wait()
+    t0 = time.monotonic()
+    try:
+        async with asyncio.timeout(SHUTDOWN_TIMEOUT_S):
+            await service.stop()
+    except TimeoutError:
+        log.warning("%s: shutdown took over %.0fs; exiting anyway", name, SHUTDOWN_TIMEOUT_S)
+    log.info("%s stopped in %.2fs", name, time.monotonic() - t0)

@@ -1,0 +1,47 @@
+"""NATS subject names: each is built here, by one function, and never spelled elsewhere.
+
+See docs/protocol.md for who publishes and who subscribes to each.
+"""
+from __future__ import annotations
+
+PREFIX = "pdd"
+ROLES = ("prefill", "relay", "main")
+
+
+def heartbeat(role: str) -> str:
+    """Instances of `role` announce themselves and their load here."""
+    return f"{PREFIX}.hb.{role}"
+
+
+def heartbeat_all() -> str:
+    return f"{PREFIX}.hb.*"
+
+
+def prefill(instance_id: str) -> str:
+    """Request/reply: a PrefillRequest to one P instance."""
+    return f"{PREFIX}.prefill.{instance_id}.run"
+
+
+def decode_assign(role: str, instance_id: str) -> str:
+    """Request/reply: a DecodeAssign to one RLD or MD instance."""
+    return f"{PREFIX}.{role}.{instance_id}.assign"
+
+
+def kv_ready(relay_instance_id: str) -> str:
+    """MD tells RLD that it holds the request's prompt KV (KVReady)."""
+    return f"{PREFIX}.relay.{relay_instance_id}.kv_ready"
+
+
+def handoff(main_instance_id: str) -> str:
+    """RLD hands the eager token IDs to MD, or says it finished first (Handoff)."""
+    return f"{PREFIX}.main.{main_instance_id}.handoff"
+
+
+def request_events(request_id: str) -> str:
+    """Every tier publishes a request's tokens, stats and errors here; the gateway listens."""
+    return f"{PREFIX}.req.{request_id}"
+
+
+def abort() -> str:
+    """Broadcast: every instance drops what it holds for the named request."""
+    return f"{PREFIX}.abort"
