@@ -69,11 +69,7 @@ class PrefillConfig:
     model: ModelConfig
     chunk_tokens: int
     kv_queue_chunks: int
-    kv_connect_timeout_s: float
-
-    @classmethod
-    def parser(cls) -> argparse.ArgumentParser:
-        p = argparse.ArgumentParser(prog="python -m services.prefill", description="pdd Prefill (P)")
+XX, description="pdd Prefill (P)")
         _add_common(p, "prefill")
         _add_model(p)
         p.add_argument("--chunk-tokens", type=int, default=int(_env("CHUNK_TOKENS", "256")),
@@ -81,12 +77,17 @@ class PrefillConfig:
         p.add_argument("--kv-queue-chunks", type=int, default=int(_env("KV_QUEUE_CHUNKS", "4")),
                        help="chunks buffered per KV path before P waits for the link (backpressure)")
         p.add_argument("--kv-connect-timeout-s", type=float, default=float(_env("KV_CONNECT_TIMEOUT_S", "5")))
+        p.add_argument("--kv-connections", type=int, default=int(_env("KV_CONNECTIONS", "1")),
+                       help="parallel TCP connections per decoder; frames of a chunk spread across them")
+        p.add_argument("--kv-wire-dtype", default=_env("KV_WIRE_DTYPE", ""), choices=("", "float32", "bfloat16", "float16"),
+                       help="dtype of KV on the wire (default: the model's); the receiver converts")
         return p
 
     @classmethod
     def from_argv(cls, argv: list[str] | None = None) -> PrefillConfig:
         ns = cls.parser().parse_args(argv)
-        return cls(_common(ns), _model(ns), ns.chunk_tokens, ns.kv_queue_chunks, ns.kv_connect_timeout_s)
+        return cls(_common(ns), _model(ns), ns.chunk_tokens, ns.kv_queue_chunks, ns.kv_connect_timeout_s,
+                   ns.kv_connections, ns.kv_wire_dtype or ns.dtype)
 
 
 @dataclass(frozen=True)

@@ -245,25 +245,35 @@ class KVConnection:
 
 
 class KVSender:
-    """P's pool of connections to decoders, one per address, opened on first use."""
+    """P's pool of connections to decoders: `connections_per_peer` per address, opened on first use.
 
-    def __init__(self, layout: KVLayout, wire_dtype: torch.dtype, connect_timeout_s: float) -> None:
+    A transfer spreads each chunk's frames over all of a peer's connections, so one slow or
+    lossy TCP stream does not hold the transfer back; the receiver places frames by position.
+    """
+
+    def __init__(self, layout: KVLayout, wire_dtype: torch.dtype, connect_timeout_s: float,
+                 connections_per_peer: int = 1) -> None:
         self.layout = layout
         self.wire_dtype = wire_dtype
         self.connect_timeout_s = connect_timeout_s
-        self._connections: dict[tuple[str, int], KVConnection] = {}
+        self.connections_per_peer = max(1, connections_per_peer)
+        self.throughput = LinkThroughput()
+        self._pools: dict[tuple[str, int], list[KVConnection]] = {}
         self._connecting: dict[tuple[str, int], asyncio.Lock] = {}
 
-    async def connection(self, host: str, port: int) -> KVConnection:
+    async def connections(self, host: str, port: int) -> list[KVConnection]:
         key = (host, port)
         lock = self._connecting.setdefault(key, asyncio.Lock())
         async with lock:
-            conn = self._connections.get(key)
-            if conn is not None and not conn.closed:
-                return conn
-            conn = await self._open(host, port)
-            self._connections[key] = conn
-            return conn
+            pool = [conn for conn in self._pools.get(key, []) if not conn.closed]
+            missing = self.connections_per_peer - len(pool)
+            if missing > 0:
+                pool += await asyncio.gather(*(self._open(host, port) for _ in range(missing)))
+            self._pools[key] = pool
+            return pool
+
+    async def connection(self, host: str, port: int) -> KVConnection:
+        return (await self.connections(host, port))[0]
 
     async def _open(self, host: str, port: int) -> KVConnection:
         try:
@@ -283,14 +293,35 @@ class KVSender:
         return KVConnection(reader, writer)
 
     def drop(self, host: str, port: int) -> None:
-        conn = self._connections.pop((host, port), None)
-        if conn is not None:
+        for conn in self._pools.pop((host, port), []):
             conn.close()
 
+    @property
+    def open_connections(self) -> int:
+        return sum(1 for pool in self._pools.values() for conn in pool if not conn.closed)
+
     async def close(self) -> None:
-        for conn in self._connections.values():
-            conn.close()
-        self._connections.clear()
+        for pool in self._pools.values():
+            for conn in pool:
+                conn.close()
+        self._pools.clear()
+
+
+class LinkThroughput:
+    """Moving average of achieved KV throughput per decoder address, from finished transfers."""
+
+    MIN_SAMPLE_BYTES = 256 * 1024  # smaller transfers mostly measure socket buffers, not the link
+
+    def __init__(self, alpha: float = 0.3) -> None:
+        self.alpha = alpha
+        self.bytes_per_s: dict[str, float] = {}
+
+    def observe(self, peer: str, kv_bytes: int, seconds: float) -> None:
+        if kv_bytes < self.MIN_SAMPLE_BYTES or seconds <= 0:
+            return
+        sample = kv_bytes / seconds
+        old = self.bytes_per_s.get(peer)
+        self.bytes_per_s[peer] = sample if old is None else old + self.alpha * (sample - old)
 
 
 @dataclass(frozen=True)
@@ -357,34 +388,47 @@ class OutgoingTransfer(_StateMachine):
             log.debug("abort frame for %s not sent: %s", self.request_id, exc)
 
     async def _pump(self) -> None:
+        host, port = self.target.host, self.target.port
         try:
             async with asyncio.timeout(self.deadline_s):
                 if self.target.delay_s > 0:
                     await asyncio.sleep(self.target.delay_s)
-                conn = await self.sender.connection(self.target.host, self.target.port)
+                conns = await self.sender.connections(host, port)
+                first_byte_at: float | None = None
                 while True:
                     token_start, item = await self._queue.get()
                     if token_start is _END:
                         layout = self.sender.layout
-                        await conn.write(kv_wire.pack_header(
+                        await conns[0].write(kv_wire.pack_header(
                             kv_wire.FrameKind.END, self.request_id, (0, layout.num_layers), (0, item),
                             self.sender.wire_dtype, layout.kv_heads, layout.head_dim))
                         break
                     if self.state is TransferState.WAITING:
                         self._move(TransferState.TRANSFERRING)
-                    header, payload = kv_wire.pack_data_frame(self.request_id, 0, token_start, item,
-                                                              self.sender.wire_dtype)
-                    await conn.write(header, payload)
-                    self.kv_bytes += len(header) + len(payload)
+                        first_byte_at = time.monotonic()
+                    await asyncio.gather(*(conn.write(*frame) for conn, frame in zip(conns, self._frames(token_start, item, len(conns)))))
             self._move(TransferState.DONE)
+            if first_byte_at is not None:
+                self.sender.throughput.observe(f"{host}:{port}", self.kv_bytes, time.monotonic() - first_byte_at)
         except asyncio.CancelledError:
             raise
         except TimeoutError:
-            self.sender.drop(self.target.host, self.target.port)  # a stuck link: the next transfer redials
+            self.sender.drop(host, port)  # a stuck link: the next transfer redials
             self._fail(f"KV send to {self.target.role} not done within {self.deadline_s:.1f}s")
         except (PddError, OSError) as exc:
-            self.sender.drop(self.target.host, self.target.port)
+            self.sender.drop(host, port)
             self._fail(f"KV send to {self.target.role} failed: {exc}")
+
+    def _frames(self, token_start: int, kv: torch.Tensor, parts: int) -> list[tuple[bytes, memoryview]]:
+        """Split a chunk into up to `parts` frames by token range, one per connection."""
+        tokens = kv.shape[3]
+        step = -(-tokens // parts)
+        frames = []
+        for offset in range(0, tokens, step):
+            frames.append(kv_wire.pack_data_frame(self.request_id, 0, token_start + offset,
+                                                  kv[:, :, :, offset:offset + step], self.sender.wire_dtype))
+        self.kv_bytes += sum(len(header) + len(payload) for header, payload in frames)
+        return frames
 
     def _fail(self, reason: str) -> None:
         if not self.ended:

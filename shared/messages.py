@@ -28,6 +28,7 @@ class Heartbeat:
     running: int
     waiting: int
     sent_at: float
+    link_bytes_per_s: dict[str, float] = field(default_factory=dict)  # P: measured KV throughput per decoder
 
 
 @dataclass(frozen=True)

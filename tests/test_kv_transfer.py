@@ -136,3 +136,16 @@ async def test_send_to_a_dead_port_fails_the_transfer() -> None:
     await transfer.put(0, torch.randn(4, 2, 2, 4, 16))
     result = await transfer.finish(4)
     assert result.state is TransferState.FAILED and "failed" in result.error
+
+
+async def test_parallel_connections_carry_one_transfer(receiver: KVReceiver) -> None:
+    sender = KVSender(LAYOUT, torch.float32, 2.0, connections_per_peer=4)
+    kv = torch.randn(4, 2, 2, 4096, 16)
+    rid = _rid()
+    inbox = receiver.expect(rid, 0, 4096)
+    result = await (await _send(sender, receiver.port, rid, kv, chunk=1024)).finish(4096)
+    assert result.state is TransferState.DONE
+    assert torch.equal(await inbox.wait(5), kv)
+    assert receiver.open_connections == 4 and sender.open_connections == 4
+    assert f"127.0.0.1:{receiver.port}" in sender.throughput.bytes_per_s
+    await sender.close()

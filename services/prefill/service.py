@@ -35,7 +35,8 @@ class PrefillService:
         self.runner = ModelRunner(load_model(path, config.model.dtype, config.model.device))
         self.prefiller = Prefiller(self.runner, config.chunk_tokens)
         self.engine = EngineThread(ROLE, config.model.torch_threads)
-        self.sender = KVSender(self.layout, DTYPE_NAMES[config.model.dtype], config.kv_connect_timeout_s)
+        self.sender = KVSender(self.layout, DTYPE_NAMES[config.kv_wire_dtype], config.kv_connect_timeout_s,
+                               config.kv_connections)
         self.tracer = tracing.tracer("pdd.prefill")
         self.running: dict[str, asyncio.Task] = {}
         self.transfers: dict[str, list[OutgoingTransfer]] = {}
@@ -57,7 +58,8 @@ class PrefillService:
         self.engine.shutdown()
 
     def _describe(self) -> Heartbeat:
-        return Heartbeat(ROLE, self.instance_id, "", 0, self.layout.model_id, len(self.running), 0, now())
+        return Heartbeat(ROLE, self.instance_id, "", 0, self.layout.model_id, len(self.running), 0, now(),
+                         dict(self.sender.throughput.bytes_per_s))
 
     async def _on_prefill(self, msg: Msg) -> None:
         try:
