@@ -38,6 +38,23 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
                         help="intra-op threads for the engine thread; 0 leaves torch's default")
 
 
+def _add_cache(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--cache-tokens", type=int, default=int(_env("CACHE_TOKENS", "1000000")),
+                        help=f"{what}: capacity in tokens (0 disables the cache)")
+    parser.add_argument("--cache-bytes", type=int, default=int(_env("CACHE_BYTES", str(1 << 30))),
+                        help=f"{what}: capacity in bytes of KV")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    tokens: int
+    kv_bytes: int
+
+    @property
+    def enabled(self) -> bool:
+        return self.tokens > 0 and self.kv_bytes > 0
+
+
 @dataclass(frozen=True)
 class CommonConfig:
     nats_url: str
@@ -67,11 +84,19 @@ def _model(ns: argparse.Namespace) -> ModelConfig:
 class PrefillConfig:
     common: CommonConfig
     model: ModelConfig
+    cache: CacheConfig
     chunk_tokens: int
     kv_queue_chunks: int
-XX, description="pdd Prefill (P)")
+    kv_connect_timeout_s: float
+    kv_connections: int
+    kv_wire_dtype: str
+
+    @classmethod
+    def parser(cls) -> argparse.ArgumentParser:
+        p = argparse.ArgumentParser(prog="python -m services.prefill", description="pdd Prefill (P)")
         _add_common(p, "prefill")
         _add_model(p)
+        _add_cache(p, "P's prefix cache")
         p.add_argument("--chunk-tokens", type=int, default=int(_env("CHUNK_TOKENS", "256")),
                        help="prompt tokens computed per forward pass; KV streams out per chunk")
         p.add_argument("--kv-queue-chunks", type=int, default=int(_env("KV_QUEUE_CHUNKS", "4")),
@@ -86,7 +111,7 @@ XX, description="pdd Prefill (P)")
     @classmethod
     def from_argv(cls, argv: list[str] | None = None) -> PrefillConfig:
         ns = cls.parser().parse_args(argv)
-        return cls(_common(ns), _model(ns), ns.chunk_tokens, ns.kv_queue_chunks, ns.kv_connect_timeout_s,
+        return cls(_common(ns), _model(ns), CacheConfig(ns.cache_tokens, ns.cache_bytes), ns.chunk_tokens, ns.kv_queue_chunks, ns.kv_connect_timeout_s,
                    ns.kv_connections, ns.kv_wire_dtype or ns.dtype)
 
 
@@ -97,6 +122,7 @@ class DecoderConfig:
     common: CommonConfig
     model: ModelConfig
     role: str
+    cache: CacheConfig  # MD's Decode-side RadixCache; RLD keeps no long-lived cache
     kv_host: str
     kv_port: int
     advertise_host: str
@@ -107,6 +133,8 @@ class DecoderConfig:
         p = argparse.ArgumentParser(prog=f"python -m services.{role}", description=f"pdd {title}")
         _add_common(p, role)
         _add_model(p)
+        if role == "main":
+            _add_cache(p, "MD's Decode-side RadixCache (DRC)")
         p.add_argument("--kv-host", default=_env("KV_HOST", "127.0.0.1"), help="address the KV socket binds")
         p.add_argument("--kv-port", type=int, default=int(_env("KV_PORT", "0")), help="0 picks a free port")
         p.add_argument("--advertise-host", default=_env("ADVERTISE_HOST", ""),
@@ -117,7 +145,8 @@ class DecoderConfig:
     def from_argv(cls, role: str, argv: list[str] | None = None) -> DecoderConfig:
         ns = cls.parser(role).parse_args(argv)
         advertise = ns.advertise_host or (socket.gethostname() if ns.kv_host in ("0.0.0.0", "::") else ns.kv_host)
-        return cls(_common(ns), _model(ns), role, ns.kv_host, ns.kv_port, advertise)
+        cache = CacheConfig(ns.cache_tokens, ns.cache_bytes) if role == "main" else CacheConfig(0, 0)
+        return cls(_common(ns), _model(ns), role, cache, ns.kv_host, ns.kv_port, advertise)
 
 
 @dataclass(frozen=True)

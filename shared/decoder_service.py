@@ -8,9 +8,12 @@ does once the KV is there (RLD: decode eagerly, hand off; MD: take over) is the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+
+import torch
 
 from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
@@ -21,9 +24,10 @@ from shared.engine import EngineThread
 from shared.errors import PddError
 from shared.kv_transfer import KVInbox, KVReceiver
 from shared.kv_wire import DTYPE_NAMES
-from shared.messages import Abort, DecodeAccepted, DecodeAssign, Heartbeat, RequestFailed, TokenChunk
+from shared.messages import Abort, CacheEvents, DecodeAccepted, DecodeAssign, Heartbeat, RequestFailed, TokenChunk
 from shared.model_runner import DecodeSequence, ModelRunner
 from shared.models import kv_layout, load_model, resolve_model
+from shared.radix_cache import CacheEvent, PrefixHandle, RadixCache
 from shared.service_runtime import heartbeat_loop, now
 
 log = logging.getLogger(__name__)
@@ -36,7 +40,9 @@ class DecodeRequest:
     assign: DecodeAssign
     inbox: KVInbox
     trace_context: otel_context.Context
+    prefix: PrefixHandle | None = None  # MD: the DRC prefix locked for this request
     assigned_at: float = field(default_factory=time.monotonic)
+    decoding_done: bool = False  # set once the last token is out; an abort then no longer cancels
     kv_ready: asyncio.Event = field(default_factory=asyncio.Event)
     handoff: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     task: asyncio.Task | None = None
@@ -64,6 +70,9 @@ class DecoderService:
         self.tracer = tracing.tracer(f"pdd.{self.role}")
         self.requests: dict[str, DecodeRequest] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._cache_events: list[CacheEvent] = []
+        self.prefix_cache = (RadixCache(config.cache.tokens, config.cache.kv_bytes, self._cache_events.append)
+                             if config.cache.enabled else None)
 
     async def start(self) -> None:
         self.kv_port = await self.receiver.start(self.config.kv_host, self.config.kv_port)
@@ -99,12 +108,14 @@ class DecoderService:
         except PddError as exc:
             await bus.reply_error(msg, exc)
             return
-        inbox = self.receiver.expect(assign.request_id, 0, assign.kv_tokens)
-        request = DecodeRequest(assign, inbox, tracing.extract(msg.headers))
+        prefix = self.prefix_cache.lock(assign.prompt_ids[:-1]) if self.prefix_cache is not None else None
+        cached = prefix.length if prefix else 0
+        inbox = self.receiver.expect(assign.request_id, cached, assign.kv_tokens)
+        request = DecodeRequest(assign, inbox, tracing.extract(msg.headers), prefix)
         self.requests[assign.request_id] = request
         request.task = asyncio.create_task(self._serve(request), name=f"{self.role}-{assign.request_id}")
         await msg.respond(messages.encode(DecodeAccepted(
-            assign.request_id, self.instance_id, self.config.advertise_host, self.kv_port)))
+            assign.request_id, self.instance_id, self.config.advertise_host, self.kv_port, cached)))
 
     async def _on_abort(self, msg: Msg) -> None:
         try:
@@ -112,18 +123,24 @@ class DecoderService:
         except PddError:
             return
         request = self.requests.get(abort.request_id)
-        if request is not None and request.task is not None:
+        if request is not None and request.task is not None and not request.decoding_done:
             request.task.cancel()
 
     async def _serve(self, request: DecodeRequest) -> None:
         try:
             with self.tracer.start_as_current_span(f"{self.role}.request", context=request.trace_context) as span:
-                span.set_attribute("pdd.request_id", request.request_id)
+                span.set_attributes({"pdd.request_id": request.request_id, "pdd.cached_tokens": request.inbox.token_start})
                 with self.tracer.start_as_current_span(f"{self.role}.kv_wait") as wait_span:
                     kv = await request.inbox.wait(request.assign.deadline_s)
                     wait_span.set_attribute("pdd.kv_bytes", request.inbox.bytes_received)
+                if request.prefix is not None and request.prefix.length:
+                    kv = (self.prefix_cache.gather(request.prefix), kv)
+                if request.prefix is not None:
+                    request.prefix.release()
                 seq = await self.engine.run(self._new_sequence, request.assign, kv)
                 await self.decode(request, seq)
+                request.decoding_done = True
+                await self.remember(seq)
         except asyncio.CancelledError:
             raise
         except PddError as exc:
@@ -133,12 +150,36 @@ class DecoderService:
             log.exception("%s failed on %s", request.request_id, self.role)
             await self._publish_failure(request, "internal_error", str(exc))
         finally:
+            if request.prefix is not None:
+                request.prefix.release()
             self.receiver.release(request.request_id)
             self.requests.pop(request.request_id, None)
 
-    def _new_sequence(self, assign: DecodeAssign, kv) -> DecodeSequence:
+    def _new_sequence(self, assign: DecodeAssign, kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> DecodeSequence:
+        if isinstance(kv, tuple):  # (cached prefix, received suffix)
+            kv = torch.cat(kv, dim=3)
         return DecodeSequence(assign.request_id, assign.prompt_ids, assign.sampling,
                               self.runner.cache_from_kv(kv), self.runner.max_context_tokens)
+
+    async def remember(self, seq: DecodeSequence) -> None:
+        """Keep the request's prompt and output KV in the DRC, so the session's next turn hits it."""
+        if self.prefix_cache is None:
+            return
+        cached = seq.cache.get_seq_length()
+        tokens = (seq.prompt_ids + seq.output_ids)[:cached]
+        kv = await self.engine.run(self.runner.kv_slice, seq.cache, 0, cached)
+        self.prefix_cache.insert(tokens, kv)
+        await self.publish_cache_events()
+
+    async def publish_cache_events(self) -> None:
+        if not self._cache_events:
+            return
+        events = [dataclasses.asdict(event) for event in self._cache_events]
+        self._cache_events.clear()
+        try:
+            await bus.publish(self.nc, subjects.cache_events(self.instance_id), CacheEvents(self.instance_id, events))
+        except Exception as exc:  # the index catches up from the next batch
+            log.warning("cache events not published: %s", exc)
 
     async def decode(self, request: DecodeRequest, seq: DecodeSequence) -> None:
         raise NotImplementedError

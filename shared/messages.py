@@ -68,6 +68,7 @@ class DecodeAccepted:
     instance_id: str
     kv_host: str
     kv_port: int
+    cached_tokens: int = 0  # MD: prompt tokens its DRC holds (locked); P sends KV from here on
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class PrefillRequest:
 class PrefillAccepted:
     request_id: str
     instance_id: str
+    cached_tokens: int = 0  # prompt tokens P takes from its own prefix cache instead of computing
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,14 @@ class HandoffStats:
 
 
 @dataclass(frozen=True)
+class CacheEvents:
+    """MD's DRC changes (shared.radix_cache.CacheEvent as dicts), for the gateway's cache index."""
+
+    instance_id: str
+    events: list[dict]
+
+
+@dataclass(frozen=True)
 class RequestFailed:
     request_id: str
     tier: str
@@ -163,7 +173,7 @@ MESSAGE_TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
         Heartbeat, DecodeAssign, DecodeAccepted, PrefillRequest, PrefillAccepted, PrefillDone,
-        KVReady, Handoff, TokenChunk, HandoffStats, RequestFailed, Abort, ErrorReply,
+        KVReady, Handoff, TokenChunk, HandoffStats, CacheEvents, RequestFailed, Abort, ErrorReply,
     )
 }
 

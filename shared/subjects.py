@@ -42,6 +42,15 @@ def request_events(request_id: str) -> str:
     return f"{PREFIX}.req.{request_id}"
 
 
+def cache_events(main_instance_id: str) -> str:
+    """MD publishes its DRC's stored/evicted events here (CacheEvents)."""
+    return f"{PREFIX}.cache.{main_instance_id}"
+
+
+def cache_events_all() -> str:
+    return f"{PREFIX}.cache.*"
+
+
 def abort() -> str:
     """Broadcast: every instance drops what it holds for the named request."""
     return f"{PREFIX}.abort"

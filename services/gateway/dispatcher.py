@@ -58,7 +58,8 @@ class RequestRun:
         self.request_id = req.request_id
         self.pipeline = pipeline
         self.config = config
-        self.cached_tokens = 0
+        self.cached_tokens = 0  # P's prefix-cache hit: prompt tokens not computed again
+        self.main_cached_tokens = 0  # MD's DRC hit: prompt tokens whose KV did not cross the WAN
         self.handoff: HandoffStats | None = None
         self.prefill: PrefillDone | None = None
         self.started_at = time.monotonic()
@@ -150,11 +151,17 @@ class Dispatcher:
                     bus.request(self.nc, subjects.decode_assign(role, inst.heartbeat.instance_id), assign,
                                 DecodeAccepted, ASSIGN_TIMEOUT_S, headers)
                     for role, inst in decoders))
-                targets = [KVTarget(role, acc.kv_host, acc.kv_port, 0, req.md_kv_delay_s if role == "main" else 0.0)
+                targets = [KVTarget(role, acc.kv_host, acc.kv_port, acc.cached_tokens,
+                                    req.md_kv_delay_s if role == "main" else 0.0)
                            for (role, _), acc in zip(decoders, accepted)]
-                await bus.request(self.nc, subjects.prefill(prefill.heartbeat.instance_id),
-                                  PrefillRequest(req.request_id, req.prompt_ids, targets, self.config.request_timeout_s),
-                                  PrefillAccepted, ASSIGN_TIMEOUT_S, headers)
+                prefill_accepted = await bus.request(
+                    self.nc, subjects.prefill(prefill.heartbeat.instance_id),
+                    PrefillRequest(req.request_id, req.prompt_ids, targets, self.config.request_timeout_s),
+                    PrefillAccepted, ASSIGN_TIMEOUT_S, headers)
+                run.cached_tokens = prefill_accepted.cached_tokens
+                run.main_cached_tokens = accepted[0].cached_tokens
+                span.set_attributes({"pdd.prefill_cached_tokens": run.cached_tokens,
+                                     "pdd.main_cached_tokens": run.main_cached_tokens})
         except BaseException:
             await run.close("dispatch failed")
             raise

@@ -11,8 +11,9 @@ from transformers import DynamicCache
 from shared.model_runner import ModelRunner
 
 
-def chunk_ranges(n_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
-    return [(start, min(n_tokens, start + chunk_tokens)) for start in range(0, n_tokens, chunk_tokens)]
+def chunk_ranges(n_tokens: int, chunk_tokens: int, start: int = 0) -> list[tuple[int, int]]:
+    """Positions [start, n_tokens) cut into chunks of at most chunk_tokens."""
+    return [(first, min(n_tokens, first + chunk_tokens)) for first in range(start, n_tokens, chunk_tokens)]
 
 
 def slice_for_target(kv: torch.Tensor, chunk: tuple[int, int], token_start: int) -> tuple[int, torch.Tensor] | None:

@@ -8,6 +8,8 @@ import asyncio
 import logging
 import time
 
+import torch
+
 from nats.aio.msg import Msg
 
 from shared import bus, messages, subjects, tracing
@@ -19,6 +21,7 @@ from shared.kv_wire import DTYPE_NAMES
 from shared.messages import Abort, Heartbeat, PrefillAccepted, PrefillDone, PrefillRequest, RequestFailed
 from shared.model_runner import ModelRunner
 from shared.models import kv_layout, load_model, resolve_model
+from shared.radix_cache import PrefixHandle, RadixCache
 from shared.service_runtime import heartbeat_loop, now
 from services.prefill.prefiller import Prefiller, chunk_ranges, slice_for_target
 
@@ -38,6 +41,7 @@ class PrefillService:
         self.sender = KVSender(self.layout, DTYPE_NAMES[config.kv_wire_dtype], config.kv_connect_timeout_s,
                                config.kv_connections)
         self.tracer = tracing.tracer("pdd.prefill")
+        self.cache = RadixCache(config.cache.tokens, config.cache.kv_bytes) if config.cache.enabled else None
         self.running: dict[str, asyncio.Task] = {}
         self.transfers: dict[str, list[OutgoingTransfer]] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -70,8 +74,18 @@ class PrefillService:
             await bus.reply_error(msg, exc)
             return
         ctx = tracing.extract(msg.headers)
-        self.running[req.request_id] = asyncio.create_task(self._run(req, ctx), name=f"prefill-{req.request_id}")
-        await msg.respond(messages.encode(PrefillAccepted(req.request_id, self.instance_id)))
+        handle = self.cache.lock(req.prompt_ids[:-1]) if self.cache is not None else None
+        self.running[req.request_id] = asyncio.create_task(self._run(req, handle, ctx), name=f"prefill-{req.request_id}")
+        await msg.respond(messages.encode(PrefillAccepted(req.request_id, self.instance_id,
+                                                          handle.length if handle else 0)))
+
+    @staticmethod
+    async def _send(chunk: tuple[tuple[int, int], torch.Tensor], transfers: list[OutgoingTransfer]) -> None:
+        """Queue the part of a chunk each decoder lacks (past its target's token_start)."""
+        for transfer in transfers:
+            part = slice_for_target(chunk[1], chunk[0], transfer.target.token_start)
+            if part is not None:
+                await transfer.put(*part)
 
     async def _on_abort(self, msg: Msg) -> None:
         try:
@@ -84,34 +98,43 @@ class PrefillService:
                 transfer.abort(abort.reason)
             task.cancel()
 
-    async def _run(self, req: PrefillRequest, ctx) -> None:
+    async def _run(self, req: PrefillRequest, handle: PrefixHandle | None, ctx) -> None:
         events = subjects.request_events(req.request_id)
         transfers = [OutgoingTransfer(self.sender, target, req.request_id, self.config.kv_queue_chunks, req.deadline_s)
                      for target in req.targets]
         self.transfers[req.request_id] = transfers
         kv_ids = req.prompt_ids[:-1]
+        hit = handle.length if handle else 0
         try:
             with self.tracer.start_as_current_span("prefill", context=ctx) as span:
                 span.set_attributes({"pdd.request_id": req.request_id, "pdd.prompt_tokens": len(req.prompt_ids),
-                                     "pdd.targets": [t.role for t in req.targets]})
+                                     "pdd.cached_tokens": hit, "pdd.targets": [t.role for t in req.targets]})
                 t0 = time.monotonic()
-                cache = self.prefiller.new_cache()
-                for chunk in chunk_ranges(len(kv_ids), self.config.chunk_tokens):
+                chunks: list[tuple[tuple[int, int], torch.Tensor]] = []
+                if hit:
+                    chunks.append(((0, hit), self.cache.gather(handle)))
+                    handle.release()  # the gathered copy is ours; the tree may evict now
+                    cache = await self.engine.run(self.runner.cache_from_kv, chunks[0][1])
+                    await self._send(chunks[0], transfers)
+                else:
+                    cache = self.prefiller.new_cache()
+                for chunk in chunk_ranges(len(kv_ids), self.config.chunk_tokens, start=hit):
                     with self.tracer.start_as_current_span("prefill.chunk") as chunk_span:
                         chunk_span.set_attributes({"pdd.token_start": chunk[0], "pdd.token_end": chunk[1]})
                         kv = await self.engine.run(self.prefiller.compute_chunk, cache, kv_ids, chunk)
-                    for transfer in transfers:
-                        part = slice_for_target(kv, chunk, transfer.target.token_start)
-                        if part is not None:
-                            await transfer.put(*part)
+                    chunks.append((chunk, kv))
+                    await self._send(chunks[-1], transfers)
                 prefill_s = time.monotonic() - t0
                 del cache
+                if self.cache is not None and len(chunks) > (1 if hit else 0):
+                    full_kv = await self.engine.run(_concat_tokens, [kv for _, kv in chunks])
+                    self.cache.insert(kv_ids, full_kv)
                 results = await asyncio.gather(*(t.finish(len(kv_ids)) for t in transfers))
                 for result in results:
                     span.add_event("kv_transfer", {"pdd.role": result.target.role, "pdd.kv_bytes": result.kv_bytes,
                                                    "pdd.send_s": result.send_s, "pdd.state": result.state.value})
             await bus.publish(self.nc, events, PrefillDone(
-                req.request_id, self.instance_id, len(kv_ids), prefill_s,
+                req.request_id, self.instance_id, len(kv_ids) - hit, prefill_s,
                 {r.target.role: r.kv_bytes for r in results}, {r.target.role: r.send_s for r in results}))
             for result in results:
                 if result.state is not TransferState.DONE:
@@ -128,5 +151,11 @@ class PrefillService:
             code = exc.code if isinstance(exc, PddError) else "prefill_failed"
             await bus.publish(self.nc, events, RequestFailed(req.request_id, ROLE, code, str(exc)))
         finally:
+            if handle is not None:
+                handle.release()
             self.running.pop(req.request_id, None)
             self.transfers.pop(req.request_id, None)
+
+
+def _concat_tokens(kvs: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(kvs, dim=3)
