@@ -1,0 +1,502 @@
+"""The gateway's OpenAI API: request validation, error statuses, and the response shapes a client sees.
+
+Parsing is tested as pure functions. The HTTP layer runs against a fake dispatcher (a scripted token
+stream), so it proves the SSE/JSON shapes, the pdd extension and run.close() without any worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+
+import aiohttp
+import openai
+import orjson
+import pytest
+from aiohttp import web
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from services.gateway.dispatcher import GenerationRequest, TokenEvent
+from services.gateway.openai_api import (
+    InvalidParam, ModelNotFound, OpenAIHandlers, ParsedRequest, PayloadTooLarge, decode_json_body,
+    error_middleware, error_payload, parse_chat_request, parse_completion_request,
+)
+from shared.config import CommonConfig, GatewayConfig
+from shared.errors import BadRequest, DeadlineExceeded, PddError, PeerGone, RequestAborted
+from shared.messages import HandoffStats
+from shared.models import load_tokenizer, resolve_model
+
+MODEL = "tiny-llama"
+CONTEXT = 2048
+CONFIG = GatewayConfig(
+    common=CommonConfig("nats://127.0.0.1:4222", "gateway-test", "INFO", "", 1.0), model="tiny",
+    host="127.0.0.1", port=0, default_pipeline="p-rld-md", request_timeout_s=10.0, token_timeout_s=5.0,
+    max_body_bytes=64 * 1024, default_max_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(resolve_model("tiny"))
+
+
+def chat(tokenizer, body: dict, context: int = CONTEXT) -> ParsedRequest:
+    return parse_chat_request({"model": MODEL, **body}, tokenizer, MODEL, CONFIG, context)
+
+
+def completion(tokenizer, body: dict, context: int = CONTEXT) -> ParsedRequest:
+    return parse_completion_request({"model": MODEL, **body}, tokenizer, MODEL, CONFIG, context)
+
+
+USER_HI = [{"role": "user", "content": "hi"}]
+
+
+# --- parsing: valid requests -------------------------------------------------------------------
+
+
+def test_chat_request_renders_the_chat_template(tokenizer):
+    parsed = chat(tokenizer, {"messages": USER_HI})
+    expected = tokenizer.apply_chat_template(USER_HI, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert list(parsed.prompt_ids) == expected and parsed.kind == "chat"
+    assert parsed.sampling.temperature == 1.0 and parsed.sampling.top_p == 1.0 and parsed.sampling.top_k == 0
+    assert parsed.sampling.stop_token_ids == (tokenizer.eos_token_id,)
+    assert parsed.sampling.max_tokens == CONFIG.default_max_tokens
+    assert not parsed.stream and not parsed.include_usage and parsed.stop == ()
+    assert parsed.pipeline is None and parsed.handoff_at is None and parsed.md_kv_delay_s == 0.0
+
+
+def test_text_content_parts_equal_the_joined_string(tokenizer):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert chat(tokenizer, {"messages": parts}).prompt_ids == \
+        chat(tokenizer, {"messages": [{"role": "user", "content": "a\nb"}]}).prompt_ids
+
+
+def test_missing_seed_is_drawn_so_every_tier_samples_alike(tokenizer):
+    seeds = {chat(tokenizer, {"messages": USER_HI}).sampling.seed for _ in range(5)}
+    assert len(seeds) > 1
+    assert chat(tokenizer, {"messages": USER_HI, "seed": 7}).sampling.seed == 7
+
+
+def test_sampling_fields_and_extensions_are_read(tokenizer):
+    parsed = chat(tokenizer, {
+        "messages": USER_HI, "temperature": 0, "top_p": 0.5, "top_k": 40, "max_completion_tokens": 9,
+        "max_tokens": 1000, "stop": "\n", "stream": True, "stream_options": {"include_usage": True},
+        "ignore_eos": True, "n": 1, "logprobs": None, "user": "ignored",
+        "pdd": {"pipeline": "p-md", "handoff_at": 3, "md_kv_delay_ms": 250}})
+    s = parsed.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.max_tokens, s.ignore_eos) == (0.0, 0.5, 40, 9, True)
+    assert parsed.stop == ("\n",) and parsed.stream and parsed.include_usage
+    assert (parsed.pipeline, parsed.handoff_at, parsed.md_kv_delay_s) == ("p-md", 3, 0.25)
+
+
+def test_model_may_be_omitted(tokenizer):
+    parsed = parse_completion_request({"prompt": "hello"}, tokenizer, MODEL, CONFIG, CONTEXT)
+    assert list(parsed.prompt_ids) == tokenizer.encode("hello")
+
+
+def test_completion_prompt_may_be_token_ids_or_a_batch_of_one(tokenizer):
+    assert completion(tokenizer, {"prompt": [5, 6, 7]}).prompt_ids == (5, 6, 7)
+    assert completion(tokenizer, {"prompt": [[5, 6]]}).prompt_ids == (5, 6)
+    assert completion(tokenizer, {"prompt": ["hello"]}).prompt_ids == tuple(tokenizer.encode("hello"))
+
+
+def test_one_token_prompt_is_enough(tokenizer):
+    assert completion(tokenizer, {"prompt": [5]}).prompt_ids == (5,)
+
+
+def test_default_max_tokens_shrinks_to_fit_the_context(tokenizer):
+    parsed = completion(tokenizer, {"prompt": list(range(20, 40))}, context=30)
+    assert parsed.sampling.max_tokens == 10
+
+
+def test_include_usage_only_counts_when_streaming(tokenizer):
+    assert not chat(tokenizer, {"messages": USER_HI, "stream_options": {"include_usage": True}}).include_usage
+
+
+# --- parsing: bad requests ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content"),
+    ({"messages": USER_HI, "temperature": "hot"}, "temperature"),
+    ({"messages": USER_HI, "temperature": True}, "temperature"),
+    ({"messages": USER_HI, "max_tokens": 0}, "max_tokens"),
+    ({"messages": USER_HI, "max_tokens": 1.5}, "max_tokens"),
+    ({"messages": USER_HI, "max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"messages": USER_HI, "n": 2}, "n"),
+    ({"messages": USER_HI, "seed": 2**64}, "seed"),
+    ({"messages": USER_HI, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"messages": USER_HI, "stop": [""]}, "stop"),
+    ({"messages": USER_HI, "stop": 3}, "stop"),
+    ({"messages": USER_HI, "stream": "yes"}, "stream"),
+    ({"messages": USER_HI, "stream_options": []}, "stream_options"),
+    ({"messages": USER_HI, "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ({"messages": USER_HI, "pdd": {"pipeline": "p-x"}}, "pdd.pipeline"),
+    ({"messages": USER_HI, "pdd": {"handoff_at": -1}}, "pdd.handoff_at"),
+    ({"messages": USER_HI, "pdd": {"md_kv_delay_ms": -5}}, "pdd.md_kv_delay_ms"),
+    ({"messages": USER_HI, "pdd": {"handof_at": 3}}, "pdd"),
+    ({"messages": USER_HI, "pdd": "p-md"}, "pdd"),
+])
+def test_bad_chat_fields_are_refused_naming_the_field(tokenizer, body, param):
+    with pytest.raises(InvalidParam) as info:
+        chat(tokenizer, body)
+    assert info.value.param == param
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": ""}, {"prompt": []}, {"prompt": ["a", "b"]}, {"prompt": [[1], [2]]}, {"prompt": [1, "a"]},
+    {"prompt": [-1]}, {"prompt": [10**9]}, {"prompt": [True]}, {"prompt": None}, {"prompt": {"text": "a"}},
+])
+def test_bad_completion_prompts_are_refused(tokenizer, body):
+    with pytest.raises(InvalidParam) as info:
+        completion(tokenizer, body)
+    assert info.value.param == "prompt"
+
+
+def test_bad_sampling_values_are_refused(tokenizer):
+    for body in ({"temperature": -0.5}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2}):
+        with pytest.raises(BadRequest):
+            completion(tokenizer, {"prompt": "x", **body})
+
+
+def test_unknown_model_is_not_found(tokenizer):
+    with pytest.raises(ModelNotFound) as info:
+        parse_chat_request({"model": "gpt-4", "messages": USER_HI}, tokenizer, MODEL, CONFIG, CONTEXT)
+    status, body = error_payload(info.value)
+    assert status == 404 and body["error"]["code"] == "model_not_found" and body["error"]["param"] == "model"
+
+
+def test_prompt_longer_than_the_context_is_refused(tokenizer):
+    with pytest.raises(BadRequest, match="at most 9"):
+        completion(tokenizer, {"prompt": list(range(100, 110))}, context=10)
+    assert completion(tokenizer, {"prompt": list(range(100, 109))}, context=10).sampling.max_tokens == 1
+
+
+def test_explicit_max_tokens_that_cannot_fit_is_refused(tokenizer):
+    with pytest.raises(BadRequest, match="exceeds"):
+        completion(tokenizer, {"prompt": list(range(100, 110)), "max_tokens": 21}, context=30)
+    assert completion(tokenizer, {"prompt": list(range(100, 110)), "max_tokens": 20}, context=30)
+
+
+def test_body_must_be_a_json_object(tokenizer):
+    for body in ([], "x", 3, None):
+        with pytest.raises(BadRequest, match="JSON object"):
+            parse_chat_request(body, tokenizer, MODEL, CONFIG, CONTEXT)
+
+
+def test_malformed_or_oversized_json_is_refused():
+    with pytest.raises(BadRequest, match="not valid JSON"):
+        decode_json_body(b'{"model": ', 100)
+    with pytest.raises(BadRequest, match="not valid JSON"):
+        decode_json_body(b'"\xff\xfe"', 100)
+    with pytest.raises(PayloadTooLarge):
+        decode_json_body(b" " * 101, 100)
+    assert decode_json_body(b'{"a": 1}', 100) == {"a": 1}
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8)
+_message = st.fixed_dictionaries({}, optional={
+    "role": st.sampled_from(["user", "assistant", "system", "tool", ""]) | _json,
+    "content": st.text(max_size=30) | st.lists(st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=10) | _json}), max_size=3) | _json,
+})
+_fields = {
+    "model": st.just(MODEL) | _json,
+    "messages": st.lists(_message | _json, max_size=3) | _json,
+    "prompt": st.text(max_size=40) | st.lists(st.integers(-5, 60000), max_size=40)
+    | st.lists(st.text(max_size=5), max_size=2) | _json,
+    "max_tokens": st.integers(-2, 5000) | _json,
+    "max_completion_tokens": st.integers(-2, 5000) | _json,
+    "temperature": st.floats(-1, 3) | _json,
+    "top_p": st.floats(-0.5, 1.5) | _json,
+    "top_k": st.integers(-3, 100) | _json,
+    "seed": st.integers(-(2**64), 2**64) | _json,
+    "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=6) | _json,
+    "n": st.integers(0, 3) | _json,
+    "stream": st.booleans() | _json,
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | _json}) | _json,
+    "ignore_eos": st.booleans() | _json,
+    "pdd": st.fixed_dictionaries({}, optional={
+        "pipeline": st.sampled_from(["p-md", "p-rld-md", "x"]) | _json,
+        "handoff_at": st.integers(-2, 50) | _json,
+        "md_kv_delay_ms": st.floats(-10, 1e6) | _json,
+    }) | _json,
+}
+_bodies = st.fixed_dictionaries({}, optional=_fields) | _json
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=_bodies, is_chat=st.booleans(), context=st.sampled_from([8, 64, CONTEXT]))
+def test_any_body_parses_or_raises_bad_request(tokenizer, body, is_chat, context):
+    parse = parse_chat_request if is_chat else parse_completion_request
+    try:
+        parsed = parse(body, tokenizer, MODEL, CONFIG, context)
+    except BadRequest:
+        return
+    assert 1 <= len(parsed.prompt_ids) <= context - 1
+    assert 1 <= parsed.sampling.max_tokens <= context - len(parsed.prompt_ids)
+    assert len(parsed.stop) <= 4 and all(parsed.stop)
+    orjson.dumps(parsed.sampling.to_dict())  # what the dispatcher sends to the workers must serialise
+
+
+# --- error statuses ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("exc, status, code", [
+    (BadRequest("bad"), 400, "invalid_request_error"),
+    (InvalidParam("top_p", "bad"), 400, "invalid_request_error"),
+    (ModelNotFound("model", "no"), 404, "model_not_found"),
+    (PayloadTooLarge("big"), 413, "payload_too_large"),
+    (web.HTTPRequestEntityTooLarge(max_size=10, actual_size=20), 413, "payload_too_large"),
+    (PeerGone("no relay"), 503, "peer_unavailable"),
+    (DeadlineExceeded("slow"), 504, "deadline_exceeded"),
+    (RequestAborted("tier failed"), 500, "aborted"),
+    (PddError("odd"), 500, "internal_error"),
+    (KeyError("bug"), 500, "internal_error"),
+])
+def test_errors_map_to_openai_shaped_statuses(exc, status, code):
+    got_status, body = error_payload(exc)
+    assert got_status == status
+    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["code"] == code
+    assert body["error"]["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    if isinstance(exc, KeyError):
+        assert "bug" not in body["error"]["message"]  # internals stay in the log
+
+
+# --- HTTP layer against a fake dispatcher -------------------------------------------------------
+
+
+class FakeRun:
+    """A scripted token stream: `relay_tokens` from RLD first, then MD, with handoff stats."""
+
+    def __init__(self, req: GenerationRequest, token_ids: list[int], finish: str, relay_tokens: int,
+                 fail_at: int | None, endless: bool, stall_at: int | None) -> None:
+        self.request_id = req.request_id
+        self.pipeline = req.pipeline or "p-rld-md"
+        self.cached_tokens = 3
+        self.handoff: HandoffStats | None = None
+        self.close_reasons: list[str] = []
+        self.closed = asyncio.Event()
+        self._token_ids, self._finish, self._relay_tokens = token_ids, finish, relay_tokens
+        self._fail_at, self._endless, self._stall_at = fail_at, endless, stall_at
+
+    async def tokens(self) -> AsyncIterator[TokenEvent]:
+        for i, token in enumerate(self._token_ids):
+            if i == self._fail_at:
+                raise PeerGone("main decode went away")
+            if i == self._stall_at:
+                await asyncio.Event().wait()
+            tier = "relay" if i < self._relay_tokens else "main"
+            if tier == "main" and self._relay_tokens and self.handoff is None:
+                self.handoff = HandoffStats(self.request_id, i, 0.01, 0.002, 0.003)
+            last = i == len(self._token_ids) - 1 and not self._endless
+            await asyncio.sleep(0.005 if self._endless else 0)
+            yield TokenEvent(i, token, tier, self._finish if last else None)
+        while self._endless:
+            await asyncio.sleep(0.005)
+            yield TokenEvent(len(self._token_ids), self._token_ids[0], "main", None)
+
+    async def close(self, reason: str) -> None:
+        self.close_reasons.append(reason)
+        self.closed.set()
+
+
+class FakeDispatcher:
+    def __init__(self, tokenizer, text: str = "", finish: str = "stop", relay_tokens: int = 0,
+                 fail_at: int | None = None, unavailable: bool = False, endless: bool = False,
+                 stall_at: int | None = None) -> None:
+        self.token_ids = tokenizer.encode(text, add_special_tokens=False)
+        if finish == "stop":
+            self.token_ids.append(tokenizer.eos_token_id)
+        self.finish, self.relay_tokens, self.fail_at = finish, relay_tokens, fail_at
+        self.unavailable, self.endless, self.stall_at = unavailable, endless, stall_at
+        self.requests: list[GenerationRequest] = []
+        self.runs: list[FakeRun] = []
+
+    async def start(self, req: GenerationRequest) -> FakeRun:
+        if self.unavailable:
+            raise PeerGone("no prefill instance is alive")
+        self.requests.append(req)
+        self.runs.append(FakeRun(req, self.token_ids, self.finish, self.relay_tokens, self.fail_at, self.endless,
+                                 self.stall_at))
+        return self.runs[-1]
+
+
+@contextlib.asynccontextmanager
+async def serve(dispatcher: FakeDispatcher, tokenizer, client_max_size: int = 1024**2,
+                handler_cancellation: bool = False, config: GatewayConfig = CONFIG):
+    """The app as the gateway runs it (aiohttp's TestServer would always cancel handlers on disconnect)."""
+    handlers = OpenAIHandlers(dispatcher, tokenizer, MODEL, config, CONTEXT)
+    app = web.Application(middlewares=[error_middleware], client_max_size=client_max_size)
+    app.add_routes(handlers.routes())
+    runner = web.AppRunner(app, handler_cancellation=handler_cancellation, shutdown_timeout=1.0)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def openai_client(base_url: str):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+TEXT = "Bonjour 😀! 日本語 works. The end."
+
+
+async def test_streamed_chat_marks_every_token_with_its_tier_and_the_handoff(tokenizer):
+    dispatcher = FakeDispatcher(tokenizer, TEXT, finish="stop", relay_tokens=4)
+    async with serve(dispatcher, tokenizer) as url, openai_client(url) as client:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=USER_HI, stream=True, stream_options={"include_usage": True},
+            extra_body={"pdd": {"pipeline": "p-rld-md", "handoff_at": 4}})
+        chunks = [chunk async for chunk in stream]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == TEXT
+    assert chunks[0].choices[0].delta.role == "assistant"
+    tokens = [t for c in chunks if c.model_extra.get("pdd") for t in c.model_extra["pdd"]["tokens"]]
+    assert [t["index"] for t in tokens] == list(range(len(dispatcher.token_ids)))
+    assert [t["tier"] for t in tokens] == ["relay"] * 4 + ["main"] * (len(dispatcher.token_ids) - 4)
+    handoffs = [(n, c.model_extra["pdd"]["handoff"]) for n, c in enumerate(chunks)
+                if "handoff" in (c.model_extra.get("pdd") or {})]
+    assert len(handoffs) == 1 and handoffs[0][1]["eager_tokens"] == 4
+    assert chunks[handoffs[0][0]].model_extra["pdd"]["tokens"] == [{"index": 4, "tier": "main"}]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.completion_tokens == len(dispatcher.token_ids)
+    assert usage.prompt_tokens == len(dispatcher.requests[0].prompt_ids)
+    assert usage.prompt_tokens_details.cached_tokens == 3
+    req = dispatcher.requests[0]
+    assert req.request_id.startswith("req-") and req.pipeline == "p-rld-md" and req.handoff_at == 4
+    assert dispatcher.runs[0].close_reasons == ["finished"]
+
+
+async def test_completion_with_stop_string_cuts_text_and_counts_tokens_to_the_stop(tokenizer):
+    dispatcher = FakeDispatcher(tokenizer, TEXT, finish="length", relay_tokens=2)
+    async with serve(dispatcher, tokenizer) as url, openai_client(url) as client:
+        result = await client.completions.create(model=MODEL, prompt="Say hi", stop=["works"], max_tokens=50)
+    assert result.choices[0].text == "Bonjour 😀! 日本語 " and result.choices[0].finish_reason == "stop"
+    ids = dispatcher.token_ids
+    through_stop = next(n for n in range(1, len(ids) + 1) if "works" in tokenizer.decode(ids[:n]))
+    assert result.usage.completion_tokens == through_stop
+    assert result.model_extra["pdd"]["tokens_by_tier"] == {"relay": 2, "main": through_stop - 2}
+    assert result.model_extra["pdd"]["handoff"]["eager_tokens"] == 2
+    assert dispatcher.runs[0].close_reasons == ["stop_string"]
+
+
+async def test_non_streamed_chat_reports_length_and_usage(tokenizer):
+    dispatcher = FakeDispatcher(tokenizer, TEXT, finish="length")
+    async with serve(dispatcher, tokenizer) as url, openai_client(url) as client:
+        result = await client.chat.completions.create(model=MODEL, messages=USER_HI, max_tokens=50)
+    assert result.choices[0].message.content == TEXT and result.choices[0].finish_reason == "length"
+    assert result.usage.completion_tokens == len(dispatcher.token_ids)
+    assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
+    assert result.model_extra["pdd"] == {"pipeline": "p-rld-md", "handoff": None,
+                                         "tokens_by_tier": {"relay": 0, "main": len(dispatcher.token_ids)}}
+
+
+async def test_models_lists_the_served_model(tokenizer):
+    async with serve(FakeDispatcher(tokenizer), tokenizer) as url, openai_client(url) as client:
+        models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+async def test_no_instance_is_503_with_retry_after(tokenizer):
+    async with serve(FakeDispatcher(tokenizer, unavailable=True), tokenizer) as url, openai_client(url) as client:
+        with pytest.raises(openai.InternalServerError) as info:
+            await client.completions.create(model=MODEL, prompt="x")
+    assert info.value.status_code == 503 and info.value.response.headers["Retry-After"] == "1"
+    assert info.value.body["code"] == "peer_unavailable"
+
+
+async def test_unknown_model_is_404_through_the_client(tokenizer):
+    async with serve(FakeDispatcher(tokenizer), tokenizer) as url, openai_client(url) as client:
+        with pytest.raises(openai.NotFoundError) as info:
+            await client.chat.completions.create(model="gpt-4", messages=USER_HI)
+    assert info.value.code == "model_not_found"
+
+
+async def test_failure_mid_stream_arrives_as_an_error_event(tokenizer):
+    dispatcher = FakeDispatcher(tokenizer, TEXT, fail_at=3)
+    async with serve(dispatcher, tokenizer) as url, openai_client(url) as client:
+        stream = await client.chat.completions.create(model=MODEL, messages=USER_HI, stream=True)
+        with pytest.raises(openai.APIError, match="main decode went away"):
+            async for _ in stream:
+                pass
+    assert dispatcher.runs[0].close_reasons == ["error"]
+
+
+async def test_raw_http_errors_have_the_openai_shape(tokenizer):
+    async with serve(FakeDispatcher(tokenizer), tokenizer, client_max_size=128 * 1024) as url, \
+            aiohttp.ClientSession() as session:
+        async def post(path: str, data: bytes) -> tuple[int, dict]:
+            async with session.post(url + path, data=data, headers={"Content-Type": "application/json"}) as r:
+                return r.status, await r.json()
+
+        status, body = await post("/chat/completions", b'{"messages": [')
+        assert status == 400 and "not valid JSON" in body["error"]["message"]
+        status, body = await post("/completions", b"[1, 2]")
+        assert status == 400 and "JSON object" in body["error"]["message"]
+        status, body = await post("/completions", b'{"prompt": "' + b"a" * CONFIG.max_body_bytes + b'"}')
+        assert status == 413 and body["error"]["code"] == "payload_too_large"
+        async with session.get(url + "/nowhere") as r:
+            assert r.status == 404 and (await r.json())["error"]["type"] == "invalid_request_error"
+
+
+async def test_body_over_the_app_limit_is_413_json(tokenizer):
+    async with serve(FakeDispatcher(tokenizer), tokenizer, client_max_size=1024) as url, \
+            aiohttp.ClientSession() as session:
+        async with session.post(url + "/completions", data=b'{"prompt": "' + b"a" * 4096 + b'"}') as r:
+            assert r.status == 413 and (await r.json())["error"]["code"] == "payload_too_large"
+
+
+@pytest.mark.parametrize("handler_cancellation", [False, True])
+async def test_client_disconnect_mid_stream_closes_the_run(tokenizer, handler_cancellation):
+    dispatcher = FakeDispatcher(tokenizer, TEXT, endless=True)
+    async with serve(dispatcher, tokenizer, handler_cancellation=handler_cancellation) as url:
+        async with aiohttp.ClientSession() as session:
+            r = await session.post(url + "/completions", json={"prompt": "x", "stream": True, "max_tokens": 1000})
+            await r.content.readuntil(b"\n\n")
+            r.close()  # drop the connection without reading on
+        async with asyncio.timeout(5):
+            await dispatcher.runs[0].closed.wait()
+    assert dispatcher.runs[0].close_reasons == ["client_disconnected"]
+
+
+@pytest.mark.parametrize("handler_cancellation", [False, True])
+async def test_client_disconnect_while_waiting_for_a_whole_completion_closes_the_run(tokenizer,
+                                                                                   handler_cancellation):
+    dispatcher = FakeDispatcher(tokenizer, TEXT, endless=True)
+    async with serve(dispatcher, tokenizer, handler_cancellation=handler_cancellation) as url:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as session:
+            with pytest.raises(TimeoutError):
+                await session.post(url + "/completions", json={"prompt": "x", "max_tokens": 1000})
+        async with asyncio.timeout(5):
+            await dispatcher.runs[0].closed.wait()
+    assert dispatcher.runs[0].close_reasons == ["client_disconnected"]
+
+
+async def test_stalled_token_stream_is_504(tokenizer):
+    dispatcher = FakeDispatcher(tokenizer, TEXT, stall_at=2)
+    config = dataclasses.replace(CONFIG, token_timeout_s=0.1)
+    async with serve(dispatcher, tokenizer, config=config) as url, openai_client(url) as client:
+        with pytest.raises(openai.APIStatusError) as info:
+            await client.completions.create(model=MODEL, prompt="x")
+    assert info.value.status_code == 504 and info.value.body["code"] == "deadline_exceeded"
+    assert dispatcher.runs[0].close_reasons == ["error"]
