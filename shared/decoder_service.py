@@ -24,7 +24,8 @@ from shared.engine import EngineThread
 from shared.errors import PddError
 from shared.kv_transfer import KVInbox, KVReceiver
 from shared.kv_wire import DTYPE_NAMES
-from shared.messages import Abort, CacheEvents, DecodeAccepted, DecodeAssign, Heartbeat, RequestFailed, TokenChunk
+from shared.messages import (Abort, CacheEvents, DecodeAccepted, DecodeAssign, Heartbeat, KVReceived, RequestFailed,
+                             TokenChunk)
 from shared.model_runner import DecodeSequence, ModelRunner
 from shared.models import kv_layout, load_model, resolve_model
 from shared.radix_cache import CacheEvent, PrefixHandle, RadixCache
@@ -133,6 +134,10 @@ class DecoderService:
                 with self.tracer.start_as_current_span(f"{self.role}.kv_wait") as wait_span:
                     kv = await request.inbox.wait(request.assign.deadline_s)
                     wait_span.set_attribute("pdd.kv_bytes", request.inbox.bytes_received)
+                inbox = request.inbox
+                await bus.publish(self.nc, request.events_subject, KVReceived(
+                    request.request_id, self.role, inbox.token_start, inbox.token_end - inbox.token_start,
+                    inbox.bytes_received, time.monotonic() - request.assigned_at))
                 if request.prefix is not None and request.prefix.length:
                     kv = (self.prefix_cache.gather(request.prefix), kv)
                 if request.prefix is not None:

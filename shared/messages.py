@@ -129,6 +129,18 @@ class TokenChunk:
 
 
 @dataclass(frozen=True)
+class KVReceived:
+    """Decoder to gateway, once its KV is complete and before its first token (NATS keeps the order)."""
+
+    request_id: str
+    tier: str
+    cached_tokens: int  # prompt tokens the decoder already had (MD's DRC hit)
+    kv_tokens: int  # prompt tokens whose KV came over the socket
+    kv_bytes: int
+    kv_wait_s: float
+
+
+@dataclass(frozen=True)
 class HandoffStats:
     """MD to gateway, once, when it takes over from RLD."""
 
@@ -173,7 +185,7 @@ MESSAGE_TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
         Heartbeat, DecodeAssign, DecodeAccepted, PrefillRequest, PrefillAccepted, PrefillDone,
-        KVReady, Handoff, TokenChunk, HandoffStats, CacheEvents, RequestFailed, Abort, ErrorReply,
+        KVReady, Handoff, TokenChunk, KVReceived, HandoffStats, CacheEvents, RequestFailed, Abort, ErrorReply,
     )
 }
 

@@ -19,9 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.gateway.dispatcher import GenerationRequest, TokenEvent
-from services.gateway.openai_api import (
-    InvalidParam, ModelNotFound, OpenAIHandlers, ParsedRequest, PayloadTooLarge, decode_json_body,
-    error_middleware, error_payload, parse_chat_request, parse_completion_request,
+from services.gateway.http_errors import error_middleware, error_payload
+from services.gateway.openai_api import OpenAIHandlers
+from services.gateway.request_parsing import (
+    InvalidParam, ModelNotFound, ParsedRequest, PayloadTooLarge, decode_json_body, parse_chat_request,
+    parse_completion_request,
 )
 from shared.config import CommonConfig, GatewayConfig
 from shared.errors import BadRequest, DeadlineExceeded, PddError, PeerGone, RequestAborted
@@ -304,6 +306,9 @@ class FakeRun:
         while self._endless:
             await asyncio.sleep(0.005)
             yield TokenEvent(len(self._token_ids), self._token_ids[0], "main", None)
+
+    def summary(self) -> dict:
+        return {"pipeline": self.pipeline, "cached_tokens": {"prefill": self.cached_tokens, "main": 0}}
 
     async def close(self, reason: str) -> None:
         self.close_reasons.append(reason)

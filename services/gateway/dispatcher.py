@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 from shared import bus, messages, subjects, tracing
 from shared.config import GatewayConfig
 from shared.errors import DeadlineExceeded, PddError, ProtocolError
-from shared.messages import (Abort, DecodeAccepted, DecodeAssign, HandoffStats, KVTarget, PrefillAccepted,
+from shared.messages import (Abort, DecodeAccepted, DecodeAssign, HandoffStats, KVReceived, KVTarget, PrefillAccepted,
                              PrefillDone, PrefillRequest, RequestFailed, TokenChunk)
 from shared.sampling import SamplingParams
 from services.gateway.registry import InstanceRegistry
@@ -62,6 +62,8 @@ class RequestRun:
         self.main_cached_tokens = 0  # MD's DRC hit: prompt tokens whose KV did not cross the WAN
         self.handoff: HandoffStats | None = None
         self.prefill: PrefillDone | None = None
+        self.kv_received: dict[str, KVReceived] = {}
+        self.first_token_at: float | None = None
         self.started_at = time.monotonic()
         self.finished = False
         self._closed = False
@@ -96,6 +98,8 @@ class RequestRun:
                     if index >= next_index and index not in pending:
                         pending[index] = TokenEvent(index, token, event.tier, event.finish_reason if last else None)
                 while next_index in pending:
+                    if self.first_token_at is None:
+                        self.first_token_at = time.monotonic()
                     token_event = pending.pop(next_index)
                     next_index += 1
                     if token_event.finish_reason is not None:
@@ -103,12 +107,24 @@ class RequestRun:
                     yield token_event
                     if self.finished:
                         break
+            elif isinstance(event, KVReceived):
+                self.kv_received[event.tier] = event
             elif isinstance(event, HandoffStats):
                 self.handoff = event
             elif isinstance(event, PrefillDone):
                 self.prefill = event
             elif isinstance(event, RequestFailed):
                 raise _FAILED_BY_CODE.get(event.code, PddError)(f"{event.tier}: {event.message}")
+
+    def summary(self) -> dict:
+        """What the client may want to know of how the request was served (the response's `pdd` field)."""
+        return {
+            "pipeline": self.pipeline,
+            "cached_tokens": {"prefill": self.cached_tokens, "main": self.main_cached_tokens},
+            "kv": {tier: {"cached_tokens": kv.cached_tokens, "kv_tokens": kv.kv_tokens, "kv_bytes": kv.kv_bytes,
+                          "kv_wait_s": round(kv.kv_wait_s, 6)} for tier, kv in self.kv_received.items()},
+            "ttft_s": None if self.first_token_at is None else round(self.first_token_at - self.started_at, 6),
+        }
 
     async def close(self, reason: str) -> None:
         """Idempotent: stop listening and tell every tier to drop the request."""

@@ -16,7 +16,8 @@ from shared.errors import PddError
 from shared.messages import Heartbeat
 from shared.models import load_tokenizer, max_context_tokens, resolve_model, served_model_name
 from services.gateway.dispatcher import Dispatcher
-from services.gateway.openai_api import OpenAIHandlers, error_middleware
+from services.gateway.http_errors import error_middleware
+from services.gateway.openai_api import OpenAIHandlers
 from services.gateway.registry import InstanceRegistry
 
 log = logging.getLogger(__name__)

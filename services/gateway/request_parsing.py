@@ -1,0 +1,262 @@
+"""Parsing and validating OpenAI API request bodies: pure functions, every failure a BadRequest.
+
+Owns what a valid request is (fields, ranges, context length, the `pdd` extension); knows
+nothing of HTTP or of how the request is served.
+"""
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import jinja2
+import orjson
+
+from shared.config import GatewayConfig
+from shared.errors import BadRequest
+from shared.messages import PIPELINES
+from shared.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+MAX_STOP_STRINGS = 4
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # ints travel to the workers as JSON, which orjson caps at 64 bits
+PDD_EXTENSION_FIELDS = ("pipeline", "handoff_at", "md_kv_delay_ms")
+
+
+class InvalidParam(BadRequest):
+    """A bad value in one named request field; OpenAI clients show the field as `param`."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ModelNotFound(InvalidParam):
+    code = "model_not_found"
+
+
+class PayloadTooLarge(BadRequest):
+    code = "payload_too_large"
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    kind: str  # "chat" | "completion"
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    pipeline: str | None
+    handoff_at: int | None
+    md_kv_delay_s: float
+
+
+def decode_json_body(raw: bytes, max_body_bytes: int) -> object:
+    if len(raw) > max_body_bytes:
+        raise PayloadTooLarge(f"request body is {len(raw)} bytes; the limit is {max_body_bytes}")
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+
+
+def parse_chat_request(body: object, tokenizer: PreTrainedTokenizerBase, served_model: str,
+                       config: GatewayConfig, max_context_tokens: int) -> ParsedRequest:
+    fields = _request_object(body, served_model)
+    prompt_ids = _chat_prompt_ids(fields.get("messages"), tokenizer)
+    return _parse_generation(fields, "chat", prompt_ids, tokenizer, config, max_context_tokens)
+
+
+def parse_completion_request(body: object, tokenizer: PreTrainedTokenizerBase, served_model: str,
+                             config: GatewayConfig, max_context_tokens: int) -> ParsedRequest:
+    fields = _request_object(body, served_model)
+    prompt_ids = _completion_prompt_ids(fields.get("prompt"), tokenizer)
+    return _parse_generation(fields, "completion", prompt_ids, tokenizer, config, max_context_tokens)
+
+
+def _request_object(body: object, served_model: str) -> Mapping[str, object]:
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    model = body.get("model")
+    # Lenient where OpenAI is strict: a missing model means the one we serve.
+    if model is not None and model != served_model:
+        raise ModelNotFound("model", f"model {model!r} does not exist; this server serves {served_model!r}")
+    return body
+
+
+def _chat_prompt_ids(messages: object, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidParam("messages", "messages must be a non-empty list of {role, content} objects")
+    conversation = [_chat_message(message, i) for i, message in enumerate(messages)]
+    try:
+        encoded = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
+        raise InvalidParam("messages", f"the model's chat template cannot render these messages: {exc}") from None
+    return _input_ids(encoded)
+
+
+def _chat_message(message: object, i: int) -> dict[str, str]:
+    if not isinstance(message, dict):
+        raise InvalidParam(f"messages[{i}]", f"messages[{i}] must be an object with role and content")
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise InvalidParam(f"messages[{i}].role", f"messages[{i}].role must be a non-empty string")
+    content = message.get("content")
+    if content is None:  # an assistant turn that only called tools
+        return {"role": role, "content": ""}
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    if isinstance(content, list):
+        texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
+        if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
+            return {"role": role, "content": "\n".join(texts)}  # vLLM joins text parts the same way
+    raise InvalidParam(f"messages[{i}].content",
+                       f"messages[{i}].content must be a string or a list of {{type: 'text', text}} parts")
+
+
+def _input_ids(encoded: object) -> list[int]:
+    """apply_chat_template returns a list in transformers 4 and a BatchEncoding in 5."""
+    ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        ids = ids[0]
+    return [int(i) for i in ids]  # type: ignore[union-attr]
+
+
+def _completion_prompt_ids(prompt: object, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one is one prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidParam("prompt", "the prompt is empty")
+        return list(tokenizer.encode(prompt, add_special_tokens=True))
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        vocab_size = len(tokenizer)
+        if any(not 0 <= t < vocab_size for t in prompt):
+            raise InvalidParam("prompt", f"prompt token ids must be in [0, {vocab_size})")
+        return list(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise InvalidParam("prompt", "only one prompt per request is supported")
+    raise InvalidParam("prompt", "prompt must be a string or a list of token ids")
+
+
+def _parse_generation(fields: Mapping[str, object], kind: str, prompt_ids: list[int],
+                      tokenizer: PreTrainedTokenizerBase, config: GatewayConfig,
+                      max_context_tokens: int) -> ParsedRequest:
+    prompt_param = "messages" if kind == "chat" else "prompt"
+    if not prompt_ids:
+        raise InvalidParam(prompt_param, "the prompt is empty")
+    if len(prompt_ids) > max_context_tokens - 1:
+        raise InvalidParam(prompt_param, f"the prompt is {len(prompt_ids)} tokens; this model's context is "
+                                         f"{max_context_tokens} tokens, so a prompt may have at most "
+                                         f"{max_context_tokens - 1}")
+    if _int(fields, "n", minimum=1) not in (None, 1):
+        raise InvalidParam("n", "only n=1 is supported")
+    stream = _bool(fields, "stream")
+    stream_options = _object(fields, "stream_options")
+    pipeline, handoff_at, md_kv_delay_s = _pdd_extension(_object(fields, "pdd"))
+    seed = _int(fields, "seed", minimum=INT64_MIN)
+    top_k = _int(fields, "top_k", minimum=-1)
+    temperature = _number(fields, "temperature")
+    top_p = _number(fields, "top_p")
+    sampling = SamplingParams(
+        max_tokens=_max_tokens(fields, len(prompt_ids), config, max_context_tokens),
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=0 if top_k in (None, -1) else top_k,  # vLLM spells "off" as -1, we as 0
+        # A drawn seed rather than none: the tiers then sample the same token at each index.
+        seed=secrets.randbits(63) if seed is None else seed,
+        stop_token_ids=() if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),),
+        ignore_eos=_bool(fields, "ignore_eos"),
+    )
+    return ParsedRequest(
+        kind=kind, prompt_ids=tuple(prompt_ids), sampling=sampling, stop=_stop_strings(fields.get("stop")),
+        stream=stream, include_usage=stream and _bool(stream_options, "include_usage", "stream_options."),
+        pipeline=pipeline, handoff_at=handoff_at, md_kv_delay_s=md_kv_delay_s,
+    )
+
+
+def _max_tokens(fields: Mapping[str, object], prompt_tokens: int, config: GatewayConfig,
+                max_context_tokens: int) -> int:
+    name = "max_completion_tokens" if fields.get("max_completion_tokens") is not None else "max_tokens"
+    requested = _int(fields, name, minimum=1)
+    room = max_context_tokens - prompt_tokens
+    if requested is None:
+        return max(1, min(config.default_max_tokens, room))
+    if requested > room:  # like vLLM: an explicit limit that cannot fit is the client's error
+        raise InvalidParam(name, f"{name}={requested} plus the prompt's {prompt_tokens} tokens exceeds this "
+                                 f"model's context of {max_context_tokens} tokens")
+    return requested
+
+
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if (not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS
+            or not all(isinstance(s, str) and s for s in stops)):
+        raise InvalidParam("stop", f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them")
+    return tuple(stops)
+
+
+def _pdd_extension(ext: Mapping[str, object]) -> tuple[str | None, int | None, float]:
+    unknown = sorted(set(ext) - set(PDD_EXTENSION_FIELDS))
+    if unknown:  # our own knobs: a typo should fail loudly, not run the default silently
+        raise InvalidParam("pdd", f"unknown pdd fields {unknown}; known: {list(PDD_EXTENSION_FIELDS)}")
+    pipeline = ext.get("pipeline")
+    if pipeline is not None and pipeline not in PIPELINES:
+        raise InvalidParam("pdd.pipeline", f"pdd.pipeline must be one of {list(PIPELINES)}")
+    delay_ms = _number(ext, "md_kv_delay_ms", "pdd.")
+    if delay_ms is not None and delay_ms < 0:
+        raise InvalidParam("pdd.md_kv_delay_ms", "pdd.md_kv_delay_ms must be >= 0")
+    handoff_at = _int(ext, "handoff_at", minimum=0, prefix="pdd.")
+    return (None if pipeline is None else str(pipeline)), handoff_at, (delay_ms or 0.0) / 1000.0
+
+
+def _object(fields: Mapping[str, object], name: str) -> Mapping[str, object]:
+    value = fields.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidParam(name, f"{name} must be an object")
+    return value
+
+
+def _int(fields: Mapping[str, object], name: str, *, minimum: int, prefix: str = "") -> int | None:
+    value = fields.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= INT64_MAX:
+        raise InvalidParam(prefix + name, f"{prefix}{name} must be an integer from {minimum} to {INT64_MAX}")
+    return value
+
+
+def _number(fields: Mapping[str, object], name: str, prefix: str = "") -> float | None:
+    value = fields.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, bool) and isinstance(value, (int, float)):
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if math.isfinite(number):
+            return number
+    raise InvalidParam(prefix + name, f"{prefix}{name} must be a finite number")
+
+
+def _bool(fields: Mapping[str, object], name: str, prefix: str = "") -> bool:
+    value = fields.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidParam(prefix + name, f"{prefix}{name} must be true or false")
+    return value
+
+
