@@ -381,7 +381,8 @@ async def test_streamed_chat_marks_every_token_with_its_tier_and_the_handoff(tok
     handoffs = [(n, c.model_extra["pdd"]["handoff"]) for n, c in enumerate(chunks)
                 if "handoff" in (c.model_extra.get("pdd") or {})]
     assert len(handoffs) == 1 and handoffs[0][1]["eager_tokens"] == 4
-    assert chunks[handoffs[0][0]].model_extra["pdd"]["tokens"] == [{"index": 4, "tier": "main"}]
+    assert chunks[handoffs[0][0]].model_extra["pdd"]["tokens"] == [
+        {"index": 4, "id": dispatcher.token_ids[4], "tier": "main"}]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     usage = chunks[-1].usage
     assert chunks[-1].choices == [] and usage.completion_tokens == len(dispatcher.token_ids)
@@ -413,6 +414,7 @@ async def test_non_streamed_chat_reports_length_and_usage(tokenizer):
     assert result.usage.completion_tokens == len(dispatcher.token_ids)
     assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
     assert result.model_extra["pdd"] == {"pipeline": "p-rld-md", "handoff": None,
+                                         "cached_tokens": {"prefill": 3, "main": 0},
                                          "tokens_by_tier": {"relay": 0, "main": len(dispatcher.token_ids)}}
 
 
