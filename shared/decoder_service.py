@@ -191,10 +191,17 @@ class DecoderService:
 
     async def step(self, request: DecodeRequest, seq: DecodeSequence, feed_ids: list[int]) -> str | None:
         """One forward pass on the engine thread; publishes the token it makes."""
-        token, finish_reason = await self.engine.run(self.runner.decode_step, seq, feed_ids)
-        await bus.publish(self.nc, request.events_subject, TokenChunk(
-            request.request_id, len(seq.output_ids) - 1, [token], self.role, finish_reason))
+        finish_reason = await self.forward(seq, feed_ids)
+        await self.publish_token(request, seq, finish_reason)
         return finish_reason
+
+    async def forward(self, seq: DecodeSequence, feed_ids: list[int]) -> str | None:
+        _, finish_reason = await self.engine.run(self.runner.decode_step, seq, feed_ids)
+        return finish_reason
+
+    async def publish_token(self, request: DecodeRequest, seq: DecodeSequence, finish_reason: str | None) -> None:
+        await bus.publish(self.nc, request.events_subject, TokenChunk(
+            request.request_id, len(seq.output_ids) - 1, [seq.output_ids[-1]], self.role, finish_reason))
 
     async def _publish_failure(self, request: DecodeRequest, code: str, message: str) -> None:
         try:

@@ -354,11 +354,11 @@ class OutgoingTransfer(_StateMachine):
     async def put(self, token_start: int, kv: torch.Tensor) -> None:
         """kv: [layers, 2, kv_heads, tokens, head_dim] for absolute tokens starting at token_start."""
         if not self.ended:
-            await self._queue.put((token_start, kv))
+            await self._queue.put((token_start, kv, time.monotonic()))
 
     async def finish(self, token_end: int) -> TransferResult:
         if not self.ended:
-            await self._queue.put((_END, token_end))
+            await self._queue.put((_END, token_end, time.monotonic()))
         try:
             await self._task
         except asyncio.CancelledError:
@@ -391,12 +391,12 @@ class OutgoingTransfer(_StateMachine):
         host, port = self.target.host, self.target.port
         try:
             async with asyncio.timeout(self.deadline_s):
-                if self.target.delay_s > 0:
-                    await asyncio.sleep(self.target.delay_s)
                 conns = await self.sender.connections(host, port)
                 first_byte_at: float | None = None
                 while True:
-                    token_start, item = await self._queue.get()
+                    token_start, item, queued_at = await self._queue.get()
+                    if self.target.delay_s > 0:  # each chunk leaves delay_s after P made it, like a long link
+                        await asyncio.sleep(max(0.0, queued_at + self.target.delay_s - time.monotonic()))
                     if token_start is _END:
                         layout = self.sender.layout
                         await conns[0].write(kv_wire.pack_header(

@@ -39,7 +39,7 @@ class KVTarget:
     host: str
     port: int
     token_start: int = 0
-    delay_s: float = 0.0  # test/demo knob: hold this path back before the first frame
+    delay_s: float = 0.0  # test/demo knob: each chunk leaves this long after P made it (a slow link)
 
 
 @dataclass(frozen=True)

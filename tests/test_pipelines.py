@@ -1,0 +1,141 @@
+"""End to end on real processes (nats-server, P, RLD, MD, gateway) with the tiny model:
+every pipeline and every handoff point is token-exact against transformers' `generate`."""
+from __future__ import annotations
+
+import aiohttp
+import openai
+import pytest
+
+from shared.api_client import ApiError, stream_completion
+from shared.launcher import LocalStack, StackConfig
+
+PROMPT_TEXTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog.",
+    "In a distant galaxy, a small robot learned to paint sunsets " * 3,
+    "List three reasons why tests should run real processes: " * 6,
+    "Once upon a time there was a serving system split across two datacenters. " * 12,
+]
+
+
+@pytest.fixture(scope="module")
+async def stack(tmp_path_factory):
+    config = StackConfig(model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1,
+                         chunk_tokens=64, startup_timeout_s=120)
+    async with LocalStack(config) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+async def session():
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tokenizer) -> list[list[int]]:
+    return [tiny_tokenizer(text)["input_ids"] for text in PROMPT_TEXTS]
+
+
+def fresh(tiny_tokenizer, tag: str, prompt_ids: list[int]) -> list[int]:
+    """The prompt behind a tag no other test used, so neither P's cache nor MD's DRC holds it."""
+    return tiny_tokenizer(f"[{tag}] ")["input_ids"] + prompt_ids
+
+
+async def complete(session, stack, prompt_ids: list[int], max_tokens: int, **pdd) -> object:
+    body = {"model": "tiny-llama", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "pdd": pdd}
+    return await stream_completion(session, stack.api_url, body)
+
+
+@pytest.mark.parametrize("pipeline", ["p-md", "p-rld-md"])
+async def test_every_pipeline_matches_generate(stack, session, prompts, tiny_tokenizer, tiny_generate, pipeline):
+    # MD's KV path is held back as a WAN would, so RLD makes the first tokens
+    delay = {"md_kv_delay_ms": 40} if pipeline == "p-rld-md" else {}
+    for prompt_ids in prompts:
+        prompt_ids = fresh(tiny_tokenizer, pipeline, prompt_ids)
+        result = await complete(session, stack, prompt_ids, 24, pipeline=pipeline, **delay)
+        assert result.token_ids == tiny_generate(prompt_ids, 24), f"prompt of {len(prompt_ids)} tokens"
+        assert result.summary["pipeline"] == pipeline
+        if "main" in result.tiers:  # RLD may finish a short answer before MD's KV is in: then MD drops it
+            main_kv = result.summary["kv"]["main"]
+            assert main_kv["cached_tokens"] + main_kv["kv_tokens"] == len(prompt_ids) - 1
+        if pipeline == "p-md":
+            assert set(result.tiers) == {"main"}
+        else:
+            assert result.tiers[0] == "relay", "RLD has the KV first and must make the first token"
+            assert result.summary["kv"]["relay"]["kv_tokens"] == len(prompt_ids) - 1
+
+
+@pytest.mark.parametrize("eager", [0, 1, 10, 50])
+async def test_handoff_after_any_number_of_eager_tokens_is_token_exact(stack, session, prompts, tiny_tokenizer,
+                                                                       tiny_generate, eager):
+    prompt_ids = fresh(tiny_tokenizer, f"handoff {eager}", prompts[3])
+    result = await complete(session, stack, prompt_ids, 64, pipeline="p-rld-md", handoff_at=eager)
+    assert result.token_ids == tiny_generate(prompt_ids, 64)
+    assert result.tiers == ["relay"] * eager + ["main"] * (64 - eager)
+    assert result.handoff["eager_tokens"] == eager
+    assert result.summary["tokens_by_tier"] == {"relay": eager, "main": 64 - eager}
+
+
+async def test_relay_that_finishes_first_ends_the_request(stack, session, prompts, tiny_generate):
+    result = await complete(session, stack, prompts[2], 6, pipeline="p-rld-md", handoff_at=10)
+    assert result.token_ids == tiny_generate(prompts[2], 6)
+    assert set(result.tiers) == {"relay"} and result.finish_reason == "length"
+
+
+async def test_seeded_sampling_gives_the_same_tokens_on_every_tier(stack, session, prompts):
+    def body(pipeline: str, seed: int) -> dict:
+        return {"prompt": prompts[1], "max_tokens": 40, "temperature": 0.9, "top_p": 0.95, "top_k": 50,
+                "seed": seed, "pdd": {"pipeline": pipeline, "handoff_at": 7} if pipeline == "p-rld-md" else
+                {"pipeline": pipeline}}
+
+    md_only = await stream_completion(session, stack.api_url, body("p-md", 1234))
+    split = await stream_completion(session, stack.api_url, body("p-rld-md", 1234))
+    assert split.tiers[:7] == ["relay"] * 7 and split.tiers[7:] == ["main"] * 33
+    assert md_only.token_ids == split.token_ids
+    other_seed = await stream_completion(session, stack.api_url, body("p-md", 99))
+    assert other_seed.token_ids != md_only.token_ids
+
+
+async def test_openai_client_works_streamed_and_not(stack, tiny_tokenizer, tiny_generate):
+    client = openai.AsyncOpenAI(base_url=stack.api_url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    prompt_ids = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt_ids = list(prompt_ids["input_ids"] if not isinstance(prompt_ids, list) else prompt_ids)
+    expected = tiny_tokenizer.decode(tiny_generate(prompt_ids, 12), skip_special_tokens=True)
+
+    full = await client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=12, temperature=0)
+    assert full.choices[0].message.content == expected
+    assert full.usage.prompt_tokens == len(prompt_ids) and full.usage.completion_tokens == 12
+
+    stream = await client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=12,
+                                                  temperature=0, stream=True)
+    text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+    assert text == expected
+    models = await client.models.list()
+    assert [m.id for m in models.data] == ["tiny-llama"]
+    await client.close()
+
+
+@pytest.mark.parametrize("body, status", [
+    (b"{not json", 400),
+    (b'{"model": "gpt-9", "prompt": "hi"}', 404),
+    (b'{"prompt": "hi", "temperature": -3}', 400),
+    (b'{"prompt": "hi", "max_tokens": "lots"}', 400),
+    (b'{"prompt": [1, 2, 3], "pdd": {"pipeline": "p-rld"}}', 400),
+    (b'{"prompt": "' + b"word " * 5000 + b'"}', 400),
+])
+async def test_bad_input_gets_an_openai_error_and_the_gateway_keeps_serving(stack, session, prompts, body, status):
+    async with session.post(stack.api_url + "/v1/completions", data=body,
+                            headers={"Content-Type": "application/json"}) as resp:
+        assert resp.status == status
+        error = (await resp.json())["error"]
+        assert error["message"] and error["type"] == "invalid_request_error"
+    result = await complete(session, stack, prompts[0], 3)
+    assert len(result.token_ids) == 3
+
+
+async def test_unknown_pipeline_is_refused_before_any_work(stack, session, prompts):
+    with pytest.raises(ApiError) as err:
+        await complete(session, stack, prompts[0], 3, pipeline="p-rld")
+    assert err.value.status == 400
