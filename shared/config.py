@@ -38,6 +38,11 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
                         help="intra-op threads for the engine thread; 0 leaves torch's default")
 
 
+def _add_kv_stall(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-stall-timeout-s", type=float, default=float(_env("KV_STALL_TIMEOUT_S", "10")),
+                        help="a KV transfer fails when no frame moves for this long (cut or stuck link)")
+
+
 def _add_cache(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--cache-tokens", type=int, default=int(_env("CACHE_TOKENS", "1000000")),
                         help=f"{what}: capacity in tokens (0 disables the cache)")
@@ -90,6 +95,7 @@ class PrefillConfig:
     kv_connect_timeout_s: float
     kv_connections: int
     kv_wire_dtype: str
+    kv_stall_timeout_s: float
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
@@ -97,6 +103,7 @@ class PrefillConfig:
         _add_common(p, "prefill")
         _add_model(p)
         _add_cache(p, "P's prefix cache")
+        _add_kv_stall(p)
         p.add_argument("--chunk-tokens", type=int, default=int(_env("CHUNK_TOKENS", "256")),
                        help="prompt tokens computed per forward pass; KV streams out per chunk")
         p.add_argument("--kv-queue-chunks", type=int, default=int(_env("KV_QUEUE_CHUNKS", "4")),
@@ -112,7 +119,7 @@ class PrefillConfig:
     def from_argv(cls, argv: list[str] | None = None) -> PrefillConfig:
         ns = cls.parser().parse_args(argv)
         return cls(_common(ns), _model(ns), CacheConfig(ns.cache_tokens, ns.cache_bytes), ns.chunk_tokens, ns.kv_queue_chunks, ns.kv_connect_timeout_s,
-                   ns.kv_connections, ns.kv_wire_dtype or ns.dtype)
+                   ns.kv_connections, ns.kv_wire_dtype or ns.dtype, ns.kv_stall_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,8 @@ class DecoderConfig:
     kv_host: str
     kv_port: int
     advertise_host: str
+    advertise_port: int  # 0: the port the KV socket bound
+    kv_stall_timeout_s: float
 
     @classmethod
     def parser(cls, role: str) -> argparse.ArgumentParser:
@@ -135,10 +144,13 @@ class DecoderConfig:
         _add_model(p)
         if role == "main":
             _add_cache(p, "MD's Decode-side RadixCache (DRC)")
+        _add_kv_stall(p)
         p.add_argument("--kv-host", default=_env("KV_HOST", "127.0.0.1"), help="address the KV socket binds")
         p.add_argument("--kv-port", type=int, default=int(_env("KV_PORT", "0")), help="0 picks a free port")
         p.add_argument("--advertise-host", default=_env("ADVERTISE_HOST", ""),
                        help="address P should dial; defaults to --kv-host (or the hostname for 0.0.0.0)")
+        p.add_argument("--advertise-port", type=int, default=int(_env("ADVERTISE_PORT", "0")),
+                       help="port P should dial, when a proxy (e.g. the WAN emulator) stands in front; 0: --kv-port")
         return p
 
     @classmethod
@@ -146,7 +158,8 @@ class DecoderConfig:
         ns = cls.parser(role).parse_args(argv)
         advertise = ns.advertise_host or (socket.gethostname() if ns.kv_host in ("0.0.0.0", "::") else ns.kv_host)
         cache = CacheConfig(ns.cache_tokens, ns.cache_bytes) if role == "main" else CacheConfig(0, 0)
-        return cls(_common(ns), _model(ns), role, cache, ns.kv_host, ns.kv_port, advertise)
+        return cls(_common(ns), _model(ns), role, cache, ns.kv_host, ns.kv_port, advertise, ns.advertise_port,
+                   ns.kv_stall_timeout_s)
 
 
 @dataclass(frozen=True)

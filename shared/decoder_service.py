@@ -77,7 +77,9 @@ class DecoderService:
 
     async def start(self) -> None:
         self.kv_port = await self.receiver.start(self.config.kv_host, self.config.kv_port)
-        log.info("KV socket on %s:%d (advertised as %s)", self.config.kv_host, self.kv_port, self.config.advertise_host)
+        self.advertise_port = self.config.advertise_port or self.kv_port
+        log.info("KV socket on %s:%d (advertised as %s:%d)", self.config.kv_host, self.kv_port,
+                 self.config.advertise_host, self.advertise_port)
         self.nc = await bus.connect(self.config.common.nats_url, self.instance_id)
         await self.nc.subscribe(subjects.decode_assign(self.role, self.instance_id), cb=self._on_assign)
         await self.nc.subscribe(subjects.abort(), cb=self._on_abort)
@@ -98,7 +100,7 @@ class DecoderService:
         self.engine.shutdown()
 
     def _describe(self) -> Heartbeat:
-        return Heartbeat(self.role, self.instance_id, self.config.advertise_host, self.kv_port,
+        return Heartbeat(self.role, self.instance_id, self.config.advertise_host, self.advertise_port,
                          self.layout.model_id, len(self.requests), 0, now())
 
     async def _on_assign(self, msg: Msg) -> None:
@@ -116,7 +118,7 @@ class DecoderService:
         self.requests[assign.request_id] = request
         request.task = asyncio.create_task(self._serve(request), name=f"{self.role}-{assign.request_id}")
         await msg.respond(messages.encode(DecodeAccepted(
-            assign.request_id, self.instance_id, self.config.advertise_host, self.kv_port, cached)))
+            assign.request_id, self.instance_id, self.config.advertise_host, self.advertise_port, cached)))
 
     async def _on_abort(self, msg: Msg) -> None:
         try:
@@ -132,7 +134,7 @@ class DecoderService:
             with self.tracer.start_as_current_span(f"{self.role}.request", context=request.trace_context) as span:
                 span.set_attributes({"pdd.request_id": request.request_id, "pdd.cached_tokens": request.inbox.token_start})
                 with self.tracer.start_as_current_span(f"{self.role}.kv_wait") as wait_span:
-                    kv = await request.inbox.wait(request.assign.deadline_s)
+                    kv = await request.inbox.wait(request.assign.deadline_s, self.config.kv_stall_timeout_s)
                     wait_span.set_attribute("pdd.kv_bytes", request.inbox.bytes_received)
                 inbox = request.inbox
                 await bus.publish(self.nc, request.events_subject, KVReceived(

@@ -26,6 +26,7 @@ from shared.models import KVLayout
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
+MAX_FRAME_BYTES = 2 * 1024 * 1024
 
 
 class TransferState(enum.Enum):
@@ -77,6 +78,7 @@ class KVInbox(_StateMachine):
         self._seen: set[tuple[int, int, int, int]] = set()
         self.bytes_received = 0
         self.first_frame_at: float | None = None
+        self.last_frame_at: float | None = None
         self.done_at: float | None = None
         self.error: PddError | None = None
         self._ended = asyncio.Event()
@@ -97,6 +99,7 @@ class KVInbox(_StateMachine):
             self._move(TransferState.TRANSFERRING)
             self.first_frame_at = time.monotonic()
         self._seen.add(key)
+        self.last_frame_at = time.monotonic()
         t0, t1 = header.token_start - self.token_start, header.token_end - self.token_start
         self.kv[header.layer_start:header.layer_end, :, :, t0:t1].copy_(kv)
         self._cells_filled += (header.layer_end - header.layer_start) * (t1 - t0)
@@ -121,13 +124,31 @@ class KVInbox(_StateMachine):
             self._move(TransferState.ABORTED)
             self._ended.set()
 
-    async def wait(self, timeout_s: float) -> torch.Tensor:
-        """The complete KV [layers, 2, kv_heads, tokens, head_dim], or the transfer's error."""
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self._ended.wait()
-        except TimeoutError:
-            self.fail(DeadlineExceeded(f"KV for {self.request_id} not complete within {timeout_s:.1f}s"))
+    async def wait(self, timeout_s: float, stall_timeout_s: float | None = None) -> torch.Tensor:
+        """The complete KV [layers, 2, kv_heads, tokens, head_dim], or the transfer's error.
+
+        Two deadlines: the whole transfer within `timeout_s`, and once frames flow, no gap between
+        frames longer than `stall_timeout_s` (a cut or stuck link shows up as a stall).
+        """
+        deadline = time.monotonic() + timeout_s
+        while not self.ended:
+            now = time.monotonic()
+            if now >= deadline:
+                self.fail(DeadlineExceeded(f"KV for {self.request_id} not complete within {timeout_s:.1f}s"))
+                break
+            wait_s = deadline - now
+            if stall_timeout_s is not None:
+                if self.last_frame_at is not None and now - self.last_frame_at >= stall_timeout_s:
+                    self.fail(DeadlineExceeded(
+                        f"KV for {self.request_id} stalled: no frame for {stall_timeout_s:.1f}s"))
+                    break
+                since = self.last_frame_at if self.last_frame_at is not None else now
+                wait_s = min(wait_s, since + stall_timeout_s - now)
+            try:
+                async with asyncio.timeout(wait_s):
+                    await self._ended.wait()
+            except TimeoutError:
+                continue
         if self.state is not TransferState.DONE:
             raise self.error
         return self.kv
@@ -252,8 +273,9 @@ class KVSender:
     """
 
     def __init__(self, layout: KVLayout, wire_dtype: torch.dtype, connect_timeout_s: float,
-                 connections_per_peer: int = 1) -> None:
+                 connections_per_peer: int = 1, stall_timeout_s: float = 10.0) -> None:
         self.layout = layout
+        self.stall_timeout_s = stall_timeout_s
         self.wire_dtype = wire_dtype
         self.connect_timeout_s = connect_timeout_s
         self.connections_per_peer = max(1, connections_per_peer)
@@ -406,7 +428,9 @@ class OutgoingTransfer(_StateMachine):
                     if self.state is TransferState.WAITING:
                         self._move(TransferState.TRANSFERRING)
                         first_byte_at = time.monotonic()
-                    await asyncio.gather(*(conn.write(*frame) for conn, frame in zip(conns, self._frames(token_start, item, len(conns)))))
+                    frames = self._frames(token_start, item)
+                    await asyncio.gather(*(self._write_frames(conn, frames[i::len(conns)])
+                                           for i, conn in enumerate(conns)))
             self._move(TransferState.DONE)
             if first_byte_at is not None:
                 self.sender.throughput.observe(f"{host}:{port}", self.kv_bytes, time.monotonic() - first_byte_at)
@@ -419,16 +443,25 @@ class OutgoingTransfer(_StateMachine):
             self.sender.drop(host, port)
             self._fail(f"KV send to {self.target.role} failed: {exc}")
 
-    def _frames(self, token_start: int, kv: torch.Tensor, parts: int) -> list[tuple[bytes, memoryview]]:
-        """Split a chunk into up to `parts` frames by token range, one per connection."""
+    def _frames(self, token_start: int, kv: torch.Tensor) -> list[tuple[bytes, memoryview]]:
+        """Cut a chunk into frames of at most MAX_FRAME_BYTES, so they spread over connections
+        and a stalled link is noticed within one small frame's time."""
         tokens = kv.shape[3]
-        step = -(-tokens // parts)
-        frames = []
-        for offset in range(0, tokens, step):
-            frames.append(kv_wire.pack_data_frame(self.request_id, 0, token_start + offset,
-                                                  kv[:, :, :, offset:offset + step], self.sender.wire_dtype))
+        token_bytes = max(1, kv[:, :, :, :1].numel() * self.sender.wire_dtype.itemsize)
+        step = max(1, min(tokens, MAX_FRAME_BYTES // token_bytes))
+        frames = [kv_wire.pack_data_frame(self.request_id, 0, token_start + offset,
+                                          kv[:, :, :, offset:offset + step], self.sender.wire_dtype)
+                  for offset in range(0, tokens, step)]
         self.kv_bytes += sum(len(header) + len(payload) for header, payload in frames)
         return frames
+
+    async def _write_frames(self, conn: KVConnection, frames: list[tuple[bytes, memoryview]]) -> None:
+        for frame in frames:
+            try:
+                async with asyncio.timeout(self.sender.stall_timeout_s):
+                    await conn.write(*frame)
+            except TimeoutError as exc:
+                raise PeerGone(f"KV link stalled: a frame took over {self.sender.stall_timeout_s:.1f}s") from exc
 
     def _fail(self, reason: str) -> None:
         if not self.ended:

@@ -149,3 +149,27 @@ async def test_parallel_connections_carry_one_transfer(receiver: KVReceiver) -> 
     assert receiver.open_connections == 4 and sender.open_connections == 4
     assert f"127.0.0.1:{receiver.port}" in sender.throughput.bytes_per_s
     await sender.close()
+
+
+async def test_a_stalled_transfer_fails_on_both_sides_within_the_stall_deadline(receiver: KVReceiver) -> None:
+    """A peer that stops reading (a cut link that drops packets) fails the transfer by its stall deadline."""
+    silent_server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = silent_server.sockets[0].getsockname()[1]
+    sender = KVSender(LAYOUT, torch.float32, connect_timeout_s=0.5, stall_timeout_s=0.5)
+    transfer = OutgoingTransfer(sender, KVTarget("main", "127.0.0.1", port), _rid(), 2, deadline_s=30)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    result = await transfer.finish(0)
+    assert result.state is TransferState.FAILED and loop.time() - t0 < 5
+    silent_server.close()
+
+    rid = _rid()
+    inbox = receiver.expect(rid, 0, 8)
+    good = KVSender(LAYOUT, torch.float32, 2.0)
+    half = await _send(good, receiver.port, rid, torch.randn(4, 2, 2, 4, 16), 4)  # only half the tokens come
+    t0 = loop.time()
+    with pytest.raises(DeadlineExceeded, match="stalled"):
+        await inbox.wait(30, stall_timeout_s=0.3)
+    assert loop.time() - t0 < 5
+    half.abort("test over")
+    await good.close()
