@@ -100,8 +100,11 @@ class DecoderService:
         self.engine.shutdown()
 
     def _describe(self) -> Heartbeat:
+        stats = {"open_inboxes": len(self.receiver.inboxes), "kv_connections": self.receiver.open_connections,
+                 "frames_dropped": self.receiver.frames_dropped,
+                 **(self.prefix_cache.gauges() if self.prefix_cache is not None else {})}
         return Heartbeat(self.role, self.instance_id, self.config.advertise_host, self.advertise_port,
-                         self.layout.model_id, len(self.requests), 0, now())
+                         self.layout.model_id, len(self.requests), 0, now(), {}, stats)
 
     async def _on_assign(self, msg: Msg) -> None:
         try:

@@ -164,6 +164,7 @@ class KVReceiver:
         self.frames_dropped = 0
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._handlers: set[asyncio.Task] = set()
 
     @property
     def open_connections(self) -> int:
@@ -188,6 +189,8 @@ class KVReceiver:
             self._server.close()
         for writer in list(self._writers):
             writer.close()
+        if self._handlers:  # closed sockets end the handlers; let them finish rather than be cancelled
+            await asyncio.wait(self._handlers, timeout=2.0)
         for inbox in list(self.inboxes.values()):
             inbox.abort("decoder shutting down")
         self.inboxes.clear()
@@ -195,6 +198,7 @@ class KVReceiver:
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         self._writers.add(writer)
+        self._handlers.add(asyncio.current_task())
         try:
             await self._handshake(reader, writer)
             while True:
@@ -207,6 +211,7 @@ class KVReceiver:
             log.info("KV peer %s connection lost: %s", peer, exc)
         finally:
             self._writers.discard(writer)
+            self._handlers.discard(asyncio.current_task())
             writer.close()
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -29,6 +29,7 @@ class Heartbeat:
     waiting: int
     sent_at: float
     link_bytes_per_s: dict[str, float] = field(default_factory=dict)  # P: measured KV throughput per decoder
+    stats: dict[str, float] = field(default_factory=dict)  # gauges: open inboxes/transfers, cache use, locks
 
 
 @dataclass(frozen=True)

@@ -355,6 +355,12 @@ class RadixCache:
         """Matched tokens over all queries; hit rate = hit_tokens / query_tokens."""
         return self._hit_tokens
 
+    def gauges(self) -> dict[str, float]:
+        """Current use, for heartbeats and metrics."""
+        return {"cache_tokens": self.tokens, "cache_kv_bytes": self.kv_bytes, "locked_nodes": self.locked_nodes,
+                "cache_hit_tokens": self.hit_tokens, "cache_query_tokens": self.query_tokens,
+                "cache_evicted_tokens": self.evicted_tokens}
+
     def check_invariants(self) -> None:
         """Walk the whole tree and raise AssertionError on any inconsistency (a test helper)."""
         tokens = kv_bytes = locked = 0

@@ -62,8 +62,11 @@ class PrefillService:
         self.engine.shutdown()
 
     def _describe(self) -> Heartbeat:
+        stats = {"open_transfers": sum(len(t) for t in self.transfers.values()),
+                 "kv_connections": self.sender.open_connections,
+                 **(self.cache.gauges() if self.cache is not None else {})}
         return Heartbeat(ROLE, self.instance_id, "", 0, self.layout.model_id, len(self.running), 0, now(),
-                         dict(self.sender.throughput.bytes_per_s))
+                         dict(self.sender.throughput.bytes_per_s), stats)
 
     async def _on_prefill(self, msg: Msg) -> None:
         try:

@@ -1,0 +1,154 @@
+"""P's prefix cache and MD's Decode-side RadixCache (DRC) on real processes with the tiny model:
+token-exact at every hit length, only the missing suffix's KV crosses to MD, nothing leaks."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import aiohttp
+import pytest
+
+from shared import bus, messages, subjects
+from shared.api_client import stream_completion
+from shared.launcher import LocalStack, StackConfig
+
+P_CACHE_TOKENS = 300  # small on purpose: a long prompt does not fit, so MD's hit can exceed P's
+KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 16 * 4  # tiny model: layers x (K, V) x kv heads x head dim x fp32
+HEARTBEAT_S = 0.25
+
+
+@pytest.fixture(scope="module")
+async def stack(tmp_path_factory):
+    beat = ["--heartbeat-s", str(HEARTBEAT_S)]
+    config = StackConfig(model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1,
+                         chunk_tokens=64, startup_timeout_s=120,
+                         extra_args={"prefill": ["--cache-tokens", str(P_CACHE_TOKENS), *beat],
+                                     "relay": beat, "main": beat, "gateway": beat})
+    async with LocalStack(config) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+async def session():
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as client:
+        yield client
+
+
+def random_prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+async def complete(session, stack, prompt_ids: list[int], max_tokens: int = 16, **pdd):
+    body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
+            "pdd": {"pipeline": "p-md", **pdd}}
+    return await stream_completion(session, stack.api_url, body)
+
+
+def hits(result) -> tuple[int, int]:
+    cached = result.summary["cached_tokens"]
+    assert result.usage["prompt_tokens_details"]["cached_tokens"] == cached["prefill"]
+    return cached["prefill"], cached["main"]
+
+
+async def test_no_partial_and_full_hits_are_token_exact(stack, session, tiny_generate):
+    prompt = random_prompt(1, 120)
+    first = await complete(session, stack, prompt)
+    assert hits(first) == (0, 0)
+    assert first.summary["kv"]["main"]["kv_tokens"] == 119
+
+    again = await complete(session, stack, prompt)
+    assert hits(again) == (119, 119), "the whole prompt (but its last token) is cached on both sides"
+    assert again.summary["kv"]["main"]["kv_tokens"] == 0 and again.summary["kv"]["main"]["kv_bytes"] == 0
+
+    branch = prompt[:80] + random_prompt(2, 40)
+    partial = await complete(session, stack, branch)
+    assert hits(partial) == (80, 80)
+    assert partial.summary["kv"]["main"]["kv_tokens"] == 39
+    for result, ids in ((first, prompt), (again, prompt), (partial, branch)):
+        assert result.token_ids == tiny_generate(ids, 16)
+
+
+async def test_main_hit_longer_than_prefill_hit(stack, session, tiny_generate):
+    prompt = random_prompt(3, 400)  # longer than P's cache: P keeps only a prefix of it
+    await complete(session, stack, prompt)
+    again = await complete(session, stack, prompt)
+    p_hit, md_hit = hits(again)
+    assert p_hit <= P_CACHE_TOKENS < md_hit == 399
+    assert again.token_ids == tiny_generate(prompt, 16)
+
+
+async def test_main_hit_shorter_than_prefill_hit(stack, session, tiny_generate):
+    prompt = random_prompt(4, 150)
+    # RLD finishes 2 tokens long before MD's (slow) KV arrives, so MD never stores this prompt
+    early = await complete(session, stack, prompt, 2, pipeline="p-rld-md", md_kv_delay_ms=3000)
+    assert set(early.tiers) == {"relay"} and "main" not in early.summary["kv"]
+    again = await complete(session, stack, prompt)
+    p_hit, md_hit = hits(again)
+    assert p_hit == 149 and md_hit < p_hit
+    assert again.summary["kv"]["main"]["kv_tokens"] == 149 - md_hit
+    assert again.token_ids == tiny_generate(prompt, 16)
+
+
+async def test_multi_turn_session_sends_only_each_turns_new_tokens_to_main(stack, session, tiny_generate):
+    history = random_prompt(5, 200)
+    for turn in range(4):
+        result = await complete(session, stack, history, 12)
+        assert result.token_ids == tiny_generate(history, 12)
+        kv = result.summary["kv"]["main"]
+        if turn > 0:
+            # MD kept the last turn's prompt and answer; only the new tool output crosses
+            assert kv["cached_tokens"] == previous_len + 12 - 1
+            assert kv["kv_tokens"] == len(history) - 1 - kv["cached_tokens"]
+            assert kv["kv_bytes"] < (kv["kv_tokens"] + 8) * KV_BYTES_PER_TOKEN
+        previous_len = len(history)
+        history = history + result.token_ids + random_prompt(100 + turn, 30)  # answer + tool output
+
+
+async def fresh_heartbeats(nats_url: str, after: float) -> dict[str, messages.Heartbeat]:
+    """One heartbeat per instance, each sent after `after` (wall clock)."""
+    nc = await bus.connect(nats_url, "test-heartbeats")
+    seen: dict[str, messages.Heartbeat] = {}
+
+    async def on_beat(msg) -> None:
+        beat = messages.decode(msg.data)
+        if beat.sent_at > after:
+            seen[beat.instance_id] = beat
+
+    await nc.subscribe(subjects.heartbeat_all(), cb=on_beat)
+    async with asyncio.timeout(10):
+        while {b.role for b in seen.values()} != {"prefill", "relay", "main"}:
+            await asyncio.sleep(0.05)
+    await nc.close()
+    return seen
+
+
+async def _abandon(session, stack, prompt: list[int], after_chunks: int) -> None:
+    body = {"prompt": prompt, "max_tokens": 200, "temperature": 0, "stream": True,
+            "pdd": {"pipeline": random.Random(after_chunks).choice(["p-md", "p-rld-md"]), "md_kv_delay_ms": 50}}
+    async with session.post(stack.api_url + "/v1/completions", json=body) as resp:
+        seen = 0
+        async for _ in resp.content:
+            seen += 1
+            if seen >= after_chunks:
+                break
+        resp.close()  # the client walks away mid-stream
+
+
+async def test_abort_storm_leaves_no_lock_inbox_or_transfer(stack, session):
+    rng = random.Random(7)
+    base = random_prompt(8, 250)
+    prompts = [base[:rng.randrange(50, 250)] + random_prompt(200 + i, rng.randrange(1, 60)) for i in range(40)]
+    await asyncio.gather(*(_abandon(session, stack, p, rng.randrange(0, 12)) for p in prompts))
+    await asyncio.sleep(1.0)  # aborts propagate
+    beats = await fresh_heartbeats(stack.nats_url, time.time() + 0.1)
+    for beat in beats.values():
+        stats = beat.stats
+        assert stats.get("locked_nodes", 0) == 0, beat
+        assert stats.get("open_inboxes", 0) == 0 and stats.get("open_transfers", 0) == 0, beat
+        assert beat.running == 0, beat
+        if beat.role == "prefill":
+            assert stats["cache_tokens"] <= P_CACHE_TOKENS
+    after = await complete(session, stack, prompts[0])
+    assert len(after.token_ids) == 16
