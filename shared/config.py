@@ -61,6 +61,15 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class HandoffConfig:
+    """RLD's handoff policy (see services/relay/handoff.py)."""
+
+    mode: str  # auto | one-shot | catch-up
+    catch_up_threshold: int
+    catch_up_max_running: int
+
+
+@dataclass(frozen=True)
 class CommonConfig:
     nats_url: str
     instance_id: str
@@ -135,6 +144,7 @@ class DecoderConfig:
     advertise_host: str
     advertise_port: int  # 0: the port the KV socket bound
     kv_stall_timeout_s: float
+    handoff: HandoffConfig  # RLD only
 
     @classmethod
     def parser(cls, role: str) -> argparse.ArgumentParser:
@@ -144,6 +154,13 @@ class DecoderConfig:
         _add_model(p)
         if role == "main":
             _add_cache(p, "MD's Decode-side RadixCache (DRC)")
+        if role == "relay":
+            p.add_argument("--handoff-mode", default=_env("HANDOFF_MODE", "auto"),
+                           choices=("auto", "one-shot", "catch-up"),
+                           help="auto: Catch-Up while RLD runs at most --catch-up-max-running requests, else One-Shot")
+            p.add_argument("--catch-up-threshold", type=int, default=int(_env("CATCH_UP_THRESHOLD", "64")),
+                           help="Catch-Up cuts over once fewer eager tokens than this remain unsent")
+            p.add_argument("--catch-up-max-running", type=int, default=int(_env("CATCH_UP_MAX_RUNNING", "4")))
         _add_kv_stall(p)
         p.add_argument("--kv-host", default=_env("KV_HOST", "127.0.0.1"), help="address the KV socket binds")
         p.add_argument("--kv-port", type=int, default=int(_env("KV_PORT", "0")), help="0 picks a free port")
@@ -158,8 +175,10 @@ class DecoderConfig:
         ns = cls.parser(role).parse_args(argv)
         advertise = ns.advertise_host or (socket.gethostname() if ns.kv_host in ("0.0.0.0", "::") else ns.kv_host)
         cache = CacheConfig(ns.cache_tokens, ns.cache_bytes) if role == "main" else CacheConfig(0, 0)
+        handoff = (HandoffConfig(ns.handoff_mode, ns.catch_up_threshold, ns.catch_up_max_running)
+                   if role == "relay" else HandoffConfig("one-shot", 0, 0))
         return cls(_common(ns), _model(ns), role, cache, ns.kv_host, ns.kv_port, advertise, ns.advertise_port,
-                   ns.kv_stall_timeout_s)
+                   ns.kv_stall_timeout_s, handoff)
 
 
 @dataclass(frozen=True)

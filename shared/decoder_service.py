@@ -44,8 +44,8 @@ class DecodeRequest:
     prefix: PrefixHandle | None = None  # MD: the DRC prefix locked for this request
     assigned_at: float = field(default_factory=time.monotonic)
     decoding_done: bool = False  # set once the last token is out; an abort then no longer cancels
-    kv_ready: asyncio.Event = field(default_factory=asyncio.Event)
-    handoff: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    main_progress: asyncio.Event = field(default_factory=asyncio.Event)  # RLD: a KVReady came
+    handoffs: asyncio.Queue = field(default_factory=asyncio.Queue)  # MD: Handoff messages from RLD
     task: asyncio.Task | None = None
 
     @property

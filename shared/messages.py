@@ -56,6 +56,7 @@ class DecodeAssign:
     deadline_s: float
     handoff_at: int | None = None  # test knob: RLD hands off after exactly this many tokens
     trace_context: dict[str, str] = field(default_factory=dict)
+    handoff_mode: str | None = None  # "one-shot" | "catch-up" | None: RLD's own policy (--handoff-mode)
 
     @property
     def kv_tokens(self) -> int:
@@ -102,20 +103,32 @@ class PrefillDone:
 
 @dataclass(frozen=True)
 class KVReady:
-    """MD to RLD: the prompt KV is complete on MD; hand off at your next step."""
+    """MD to RLD: MD holds the prompt KV and the KV of the first `adopted_tokens` output tokens.
+
+    The first KVReady (adopted_tokens=0) says the prompt KV arrived; in Catch-Up, each later one
+    says MD has recomputed the chunk RLD sent.
+    """
 
     request_id: str
     main_instance: str
     kv_received_at: float
+    adopted_tokens: int = 0
 
 
 @dataclass(frozen=True)
 class Handoff:
-    """RLD to MD: the eager token IDs (One-Shot), or `finished` if RLD completed the request."""
+    """RLD to MD: eager token IDs start..start+len-1; `final` marks the cut (RLD has stopped).
+
+    One-Shot sends one final Handoff with every eager token; Catch-Up sends chunks, then a final
+    one. `finished` says RLD completed the request itself: MD drops it.
+    """
 
     request_id: str
     eager_ids: list[int]
     finished: bool
+    start: int = 0
+    final: bool = True
+    mode: str = "one-shot"
 
 
 @dataclass(frozen=True)
@@ -148,8 +161,10 @@ class HandoffStats:
     request_id: str
     eager_tokens: int
     kv_wait_s: float
-    handoff_s: float
-    extend_s: float
+    handoff_s: float  # from MD's first KVReady to the cut
+    extend_s: float  # the final extend-decode pass
+    mode: str = "one-shot"
+    chunks: int = 1  # handoff messages, the final one included
 
 
 @dataclass(frozen=True)

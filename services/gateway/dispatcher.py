@@ -36,6 +36,7 @@ class GenerationRequest:
     pipeline: str | None
     handoff_at: int | None
     md_kv_delay_s: float
+    handoff_mode: str | None = None
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ class Dispatcher:
                 assign = DecodeAssign(
                     req.request_id, pipeline, req.prompt_ids, req.sampling,
                     relay.heartbeat.instance_id if relay else None, main.heartbeat.instance_id,
-                    self.config.request_timeout_s, req.handoff_at)
+                    self.config.request_timeout_s, req.handoff_at, handoff_mode=req.handoff_mode)
                 decoders = [("main", main)] + ([("relay", relay)] if relay else [])
                 accepted = await asyncio.gather(*(
                     bus.request(self.nc, subjects.decode_assign(role, inst.heartbeat.instance_id), assign,

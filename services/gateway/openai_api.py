@@ -6,6 +6,7 @@ and errors become responses in http_errors.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -52,8 +53,7 @@ class _ClientGone(Exception):
 
 
 def _handoff_json(stats: HandoffStats) -> Json:
-    return {"eager_tokens": stats.eager_tokens, "kv_wait_s": stats.kv_wait_s,
-            "handoff_s": stats.handoff_s, "extend_s": stats.extend_s}
+    return {k: v for k, v in dataclasses.asdict(stats).items() if k != "request_id"}
 
 
 class _Generation:
@@ -260,7 +260,8 @@ class OpenAIHandlers:
         request_id = f"req-{uuid.uuid4().hex}"
         run = await self._dispatcher.start(GenerationRequest(
             request_id=request_id, prompt_ids=list(parsed.prompt_ids), sampling=parsed.sampling,
-            pipeline=parsed.pipeline, handoff_at=parsed.handoff_at, md_kv_delay_s=parsed.md_kv_delay_s))
+            pipeline=parsed.pipeline, handoff_at=parsed.handoff_at, md_kv_delay_s=parsed.md_kv_delay_s,
+            handoff_mode=parsed.handoff_mode))
         log.info("%s: %s, %d prompt tokens, max_tokens %d, pipeline %s, stream %s", request_id, parsed.kind,
                  len(parsed.prompt_ids), parsed.sampling.max_tokens, run.pipeline, parsed.stream)
         generation = _Generation(run, parsed, self._tokenizer, self._config)

@@ -14,7 +14,8 @@ from nats.aio.msg import Msg
 
 from shared import bus, messages, subjects
 from shared.decoder_service import DecodeRequest, DecoderService
-from shared.errors import DeadlineExceeded, PddError
+from shared.errors import DeadlineExceeded, PddError, ProtocolError
+from shared.kv_transfer import TransferState
 from shared.messages import Handoff, HandoffStats, KVReady
 from shared.model_runner import DecodeSequence
 
@@ -33,25 +34,29 @@ class MainService(DecoderService):
         except PddError:
             return
         request = self.requests.get(handoff.request_id)
-        if request is not None and not request.handoff.done():
-            request.handoff.set_result(handoff)
+        if request is None:
+            return
+        if handoff.finished and request.inbox.state is not TransferState.DONE and request.task is not None:
+            # RLD finished before our KV arrived: drop the transfer now, not at the gateway's abort
+            request.task.cancel()
+            return
+        request.handoffs.put_nowait(handoff)
 
     async def decode(self, request: DecodeRequest, seq: DecodeSequence) -> None:
         assign = request.assign
         feed = [assign.prompt_ids[-1]]
         stats: HandoffStats | None = None
         if assign.pipeline == "p-rld-md":
-            stats_or_none = await self._take_over(request, seq)
-            if stats_or_none is None:
+            taken = await self._take_over(request, seq)
+            if taken is None:
                 return
-            stats = stats_or_none
-            feed += seq.output_ids
+            feed, stats = taken
         with self.tracer.start_as_current_span("main.decode") as span:
             first = len(seq.output_ids)
             t0 = time.monotonic()
             finish_reason = await self.forward(seq, feed)
             if stats is not None:
-                # the first step after a handoff is the extend-decode pass over the eager tokens;
+                # the first step after the cut is the extend-decode pass over the last eager tokens;
                 # its stats go out before its token, so the gateway can mark the cut
                 stats = dataclasses.replace(stats, extend_s=time.monotonic() - t0)
                 await bus.publish(self.nc, request.events_subject, stats)
@@ -60,22 +65,49 @@ class MainService(DecoderService):
                 finish_reason = await self.step(request, seq, [seq.output_ids[-1]])
             span.set_attribute("pdd.tokens", len(seq.output_ids) - first)
 
-    async def _take_over(self, request: DecodeRequest, seq: DecodeSequence) -> HandoffStats | None:
-        """Tell RLD the KV is here and adopt its eager IDs; None if RLD already finished."""
+    async def _take_over(self, request: DecodeRequest, seq: DecodeSequence) -> tuple[list[int], HandoffStats] | None:
+        """Adopt RLD's eager tokens chunk by chunk until the cut.
+
+        Returns the tokens still to feed (the cut's chunk, after the last token whose KV MD holds)
+        and the handoff's stats; None if RLD finished the request itself.
+        """
         assign = request.assign
         kv_wait_s = time.monotonic() - request.assigned_at
         t0 = time.monotonic()
+        pending = [assign.prompt_ids[-1]]  # fed tokens lag one behind, so the cut always has logits
+        chunks = 0
         with self.tracer.start_as_current_span("main.handoff") as span:
-            await bus.publish(self.nc, subjects.kv_ready(assign.relay_instance),
-                              KVReady(request.request_id, self.instance_id, time.time()))
-            remaining = assign.deadline_s - (time.monotonic() - request.assigned_at)
-            try:
-                async with asyncio.timeout(max(0.0, remaining)):
-                    handoff: Handoff = await request.handoff
-            except TimeoutError as exc:
-                raise DeadlineExceeded(f"RLD never handed off {request.request_id}") from exc
-            span.set_attributes({"pdd.eager_tokens": len(handoff.eager_ids), "pdd.relay_finished": handoff.finished})
-        if handoff.finished:
-            return None
-        seq.output_ids.extend(handoff.eager_ids)
-        return HandoffStats(request.request_id, len(handoff.eager_ids), kv_wait_s, time.monotonic() - t0, 0.0)
+            await self._report_progress(request, 0)
+            while True:
+                handoff = await self._next_handoff(request)
+                if handoff.finished:
+                    span.set_attribute("pdd.relay_finished", True)
+                    return None
+                if handoff.start != len(seq.output_ids):
+                    raise ProtocolError(f"handoff chunk starts at {handoff.start}, MD holds {len(seq.output_ids)}")
+                chunks += 1
+                seq.output_ids.extend(handoff.eager_ids)
+                pending += handoff.eager_ids
+                if handoff.final:
+                    break
+                with self.tracer.start_as_current_span("main.catch_up_chunk") as chunk_span:
+                    chunk_span.set_attributes({"pdd.start": handoff.start, "pdd.tokens": len(handoff.eager_ids)})
+                    await self.engine.run(self.runner.forward, seq.cache, pending[:-1])
+                pending = pending[-1:]
+                await self._report_progress(request, len(seq.output_ids))
+            span.set_attributes({"pdd.eager_tokens": len(seq.output_ids), "pdd.handoff_mode": handoff.mode,
+                                 "pdd.chunks": chunks})
+        return pending, HandoffStats(request.request_id, len(seq.output_ids), kv_wait_s, time.monotonic() - t0,
+                                     0.0, handoff.mode, chunks)
+
+    async def _report_progress(self, request: DecodeRequest, adopted_tokens: int) -> None:
+        await bus.publish(self.nc, subjects.kv_ready(request.assign.relay_instance),
+                          KVReady(request.request_id, self.instance_id, time.time(), adopted_tokens))
+
+    async def _next_handoff(self, request: DecodeRequest) -> Handoff:
+        remaining = request.assign.deadline_s - (time.monotonic() - request.assigned_at)
+        try:
+            async with asyncio.timeout(max(0.0, remaining)):
+                return await request.handoffs.get()
+        except TimeoutError as exc:
+            raise DeadlineExceeded(f"RLD never handed off {request.request_id}") from exc

@@ -44,6 +44,11 @@ class PrefillService:
         self.cache = RadixCache(config.cache.tokens, config.cache.kv_bytes) if config.cache.enabled else None
         self.running: dict[str, asyncio.Task] = {}
         self.transfers: dict[str, list[OutgoingTransfer]] = {}
+        self.prompt_kv_tokens: dict[str, int] = {}
+        self.aborted_transfers = 0
+        wire = DTYPE_NAMES[config.kv_wire_dtype]
+        self.kv_bytes_per_token = self.layout.num_layers * 2 * self.layout.kv_heads * self.layout.head_dim * wire.itemsize
+        self.kv_bytes_saved_by_abort = 0  # KV that never crossed because the request ended first
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -64,6 +69,8 @@ class PrefillService:
     def _describe(self) -> Heartbeat:
         stats = {"open_transfers": sum(len(t) for t in self.transfers.values()),
                  "kv_connections": self.sender.open_connections,
+                 "aborted_transfers": self.aborted_transfers, "kv_bytes_saved_by_abort": self.kv_bytes_saved_by_abort,
+                 "kv_bytes_per_token": self.kv_bytes_per_token,
                  **(self.cache.gauges() if self.cache is not None else {})}
         return Heartbeat(ROLE, self.instance_id, "", 0, self.layout.model_id, len(self.running), 0, now(),
                          dict(self.sender.throughput.bytes_per_s), stats)
@@ -97,7 +104,12 @@ class PrefillService:
             return
         task = self.running.get(abort.request_id)
         if task is not None:
+            prompt_kv_tokens = self.prompt_kv_tokens.get(abort.request_id, 0)
             for transfer in self.transfers.get(abort.request_id, ()):
+                if not transfer.ended:
+                    self.aborted_transfers += 1
+                    expected = (prompt_kv_tokens - transfer.target.token_start) * self.kv_bytes_per_token
+                    self.kv_bytes_saved_by_abort += max(0, expected - transfer.kv_bytes)
                 transfer.abort(abort.reason)
             task.cancel()
 
@@ -106,6 +118,7 @@ class PrefillService:
         transfers = [OutgoingTransfer(self.sender, target, req.request_id, self.config.kv_queue_chunks, req.deadline_s)
                      for target in req.targets]
         self.transfers[req.request_id] = transfers
+        self.prompt_kv_tokens[req.request_id] = len(req.prompt_ids) - 1
         kv_ids = req.prompt_ids[:-1]
         hit = handle.length if handle else 0
         try:
@@ -158,6 +171,7 @@ class PrefillService:
                 handle.release()
             self.running.pop(req.request_id, None)
             self.transfers.pop(req.request_id, None)
+            self.prompt_kv_tokens.pop(req.request_id, None)
 
 
 def _concat_tokens(kvs: list[torch.Tensor]) -> torch.Tensor:

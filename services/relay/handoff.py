@@ -1,24 +1,82 @@
-"""When Relay Decode hands a request to Main Decode. Plain logic; no NATS, no model.
+"""When and how Relay Decode hands a request to Main Decode. Plain logic; no NATS, no model.
 
-RLD decodes eagerly from the moment it has the prompt KV. Once MD says its KV is complete,
-RLD stops at its next step boundary and hands off (One-Shot: all eager token IDs at once).
-`handoff_at` is a test knob that pins the cut to exactly that many eager tokens: RLD runs on
+RLD decodes eagerly from the moment it has the prompt KV. MD reports progress: first that its
+KV is complete (0 output tokens adopted), then, in Catch-Up, each time it has recomputed a chunk.
+- One-Shot: at MD's first report RLD stops and sends every eager token ID at once (the cut).
+- Catch-Up: at each report RLD sends the tokens MD lacks as a chunk and keeps decoding while MD
+  recomputes it; once fewer than `threshold` tokens remain, RLD stops and sends the rest (the
+  cut). If a round does not shrink what remains (MD recomputes slower than RLD decodes), RLD
+  falls back to One-Shot at once, so Catch-Up always converges.
+`handoff_at` is a test knob that pins the cut to exactly that many eager tokens: RLD decodes on
 until it has made them even if MD is ready earlier, and waits for MD if it gets there first.
 """
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 
-class RelayAction(enum.Enum):
+class HandoffMode(enum.Enum):
+    ONE_SHOT = "one-shot"
+    CATCH_UP = "catch-up"
+
+
+class Step(enum.Enum):
     DECODE = "decode"
-    HAND_OFF = "hand_off"
     WAIT_FOR_MAIN = "wait_for_main"
+    SEND_CHUNK = "send_chunk"  # tokens [start, end) to MD; RLD keeps decoding
+    CUT = "cut"  # tokens [start, end) to MD, and RLD stops
 
 
-def next_action(eager_tokens: int, main_ready: bool, handoff_at: int | None) -> RelayAction:
-    if handoff_at is None:
-        return RelayAction.HAND_OFF if main_ready else RelayAction.DECODE
-    if eager_tokens < handoff_at:
-        return RelayAction.DECODE
-    return RelayAction.HAND_OFF if main_ready else RelayAction.WAIT_FOR_MAIN
+@dataclass(frozen=True)
+class Decision:
+    step: Step
+    start: int = 0
+    end: int = 0
+
+
+def choose_mode(configured: str, running_requests: int, catch_up_max_running: int) -> HandoffMode:
+    """`auto` follows RLD's load: Catch-Up when RLD has room, One-Shot when it is busy."""
+    if configured == "auto":
+        return HandoffMode.CATCH_UP if running_requests <= catch_up_max_running else HandoffMode.ONE_SHOT
+    return HandoffMode(configured)
+
+
+class HandoffPlan:
+    """The state of one request's handoff on RLD."""
+
+    def __init__(self, mode: HandoffMode, threshold: int, handoff_at: int | None) -> None:
+        self.mode = mode
+        self.threshold = threshold
+        self.handoff_at = handoff_at
+        self.sent = 0  # eager tokens already handed to MD
+        self.rounds = 0
+        self.fell_back = False
+        self._main_reported = False  # MD reported progress we have not acted on yet
+        self._last_remaining: int | None = None
+
+    def on_main_progress(self) -> None:
+        self._main_reported = True
+
+    def next(self, eager: int) -> Decision:
+        if self.handoff_at is not None and eager >= self.handoff_at:
+            return self._act(Step.CUT, eager) if self._main_reported else Decision(Step.WAIT_FOR_MAIN)
+        if not self._main_reported:
+            return Decision(Step.DECODE)
+        remaining = eager - self.sent
+        if self.handoff_at is None and (self.mode is HandoffMode.ONE_SHOT or remaining < self.threshold):
+            return self._act(Step.CUT, eager)
+        if self.handoff_at is None and self._last_remaining is not None and remaining >= self._last_remaining:
+            self.fell_back = True  # not converging: MD recomputes slower than RLD decodes
+            return self._act(Step.CUT, eager)
+        if self.mode is HandoffMode.CATCH_UP and remaining > 0:
+            self._last_remaining = remaining
+            return self._act(Step.SEND_CHUNK, eager)
+        return Decision(Step.DECODE)  # nothing new to send yet (or One-Shot held by handoff_at)
+
+    def _act(self, step: Step, eager: int) -> Decision:
+        decision = Decision(step, self.sent, eager)
+        self.sent = eager
+        self.rounds += 1
+        self._main_reported = False
+        return decision

@@ -1,6 +1,6 @@
 """Relay Decode (RLD) service: decodes eagerly next to P, then hands the request to MD.
 
-RLD keeps no long-lived cache: a request's KV lives here only until the handoff or the end.
+RLD keeps no long-lived cache: a request's KV lives here only until the cut or the end.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from shared.decoder_service import DecodeRequest, DecoderService
 from shared.errors import DeadlineExceeded, PddError
 from shared.messages import Handoff, KVReady
 from shared.model_runner import DecodeSequence
-from services.relay.handoff import RelayAction, next_action
+from services.relay.handoff import HandoffMode, HandoffPlan, Step, choose_mode
 
 log = logging.getLogger(__name__)
 
@@ -33,38 +33,58 @@ class RelayService(DecoderService):
             return
         request = self.requests.get(ready.request_id)
         if request is not None:
-            request.kv_ready.set()
+            request.main_progress.set()
+
+    def _plan(self, request: DecodeRequest) -> HandoffPlan:
+        policy = self.config.handoff
+        mode = (HandoffMode(request.assign.handoff_mode) if request.assign.handoff_mode
+                else choose_mode(policy.mode, len(self.requests), policy.catch_up_max_running))
+        return HandoffPlan(mode, policy.catch_up_threshold, request.assign.handoff_at)
 
     async def decode(self, request: DecodeRequest, seq: DecodeSequence) -> None:
         assign = request.assign
+        plan = self._plan(request)
         feed = [assign.prompt_ids[-1]]
         with self.tracer.start_as_current_span("relay.eager_decode") as span:
+            span.set_attribute("pdd.handoff_mode", plan.mode.value)
             t0 = time.monotonic()
             while True:
-                action = next_action(len(seq.output_ids), request.kv_ready.is_set(), assign.handoff_at)
-                if action is RelayAction.HAND_OFF:
-                    break
-                if action is RelayAction.WAIT_FOR_MAIN:
+                if request.main_progress.is_set():
+                    request.main_progress.clear()
+                    plan.on_main_progress()
+                decision = plan.next(len(seq.output_ids))
+                if decision.step is Step.WAIT_FOR_MAIN:
                     await self._wait_for_main(request)
+                    continue
+                if decision.step in (Step.SEND_CHUNK, Step.CUT):
+                    await self._hand_off(request, seq, decision, plan)
+                    if decision.step is Step.CUT:
+                        break
                     continue
                 finish_reason = await self.step(request, seq, feed)
                 feed = [seq.output_ids[-1]]
                 if finish_reason is not None:
-                    # RLD finished before MD had the KV: MD drops the request (anomalous traffic)
-                    span.set_attributes({"pdd.eager_tokens": len(seq.output_ids), "pdd.finished_on_relay": True})
-                    await bus.publish(self.nc, subjects.handoff(assign.main_instance),
-                                      Handoff(request.request_id, [], finished=True))
-                    return
-            span.set_attributes({"pdd.eager_tokens": len(seq.output_ids), "pdd.eager_s": time.monotonic() - t0})
-        with self.tracer.start_as_current_span("relay.handoff") as span:
-            span.set_attribute("pdd.eager_tokens", len(seq.output_ids))
-            await bus.publish(self.nc, subjects.handoff(assign.main_instance),
-                              Handoff(request.request_id, list(seq.output_ids), finished=False))
+                    # RLD finished first: MD drops the request and its WAN transfer (anomalous traffic)
+                    span.set_attribute("pdd.finished_on_relay", True)
+                    if assign.main_instance:
+                        await bus.publish(self.nc, subjects.handoff(assign.main_instance),
+                                          Handoff(request.request_id, [], finished=True, mode=plan.mode.value))
+                    break
+            span.set_attributes({"pdd.eager_tokens": len(seq.output_ids), "pdd.eager_s": time.monotonic() - t0,
+                                 "pdd.handoff_rounds": plan.rounds, "pdd.catch_up_fell_back": plan.fell_back})
+
+    async def _hand_off(self, request: DecodeRequest, seq: DecodeSequence, decision, plan: HandoffPlan) -> None:
+        final = decision.step is Step.CUT
+        with self.tracer.start_as_current_span("relay.handoff_chunk") as span:
+            span.set_attributes({"pdd.start": decision.start, "pdd.end": decision.end, "pdd.final": final})
+            await bus.publish(self.nc, subjects.handoff(request.assign.main_instance), Handoff(
+                request.request_id, seq.output_ids[decision.start:decision.end], finished=False,
+                start=decision.start, final=final, mode="one-shot" if plan.fell_back else plan.mode.value))
 
     async def _wait_for_main(self, request: DecodeRequest) -> None:
         remaining = request.assign.deadline_s - (time.monotonic() - request.assigned_at)
         try:
             async with asyncio.timeout(max(0.0, remaining)):
-                await request.kv_ready.wait()
+                await request.main_progress.wait()
         except TimeoutError as exc:
             raise DeadlineExceeded(f"MD never reported its KV for {request.request_id}") from exc

@@ -1,0 +1,102 @@
+"""One-Shot and Catch-Up handoffs, and anomalous-traffic filtering, on real processes (tiny model)."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import aiohttp
+import pytest
+
+from shared import bus, messages, subjects
+from shared.api_client import stream_completion
+from shared.launcher import LocalStack, StackConfig
+
+CATCH_UP_THRESHOLD = 8
+HEARTBEAT_S = 0.25
+
+
+@pytest.fixture(scope="module")
+async def stack(tmp_path_factory):
+    beat = ["--heartbeat-s", str(HEARTBEAT_S)]
+    config = StackConfig(model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1,
+                         chunk_tokens=64, startup_timeout_s=120,
+                         extra_args={"relay": ["--catch-up-threshold", str(CATCH_UP_THRESHOLD), *beat],
+                                     "prefill": beat, "main": beat, "gateway": beat})
+    async with LocalStack(config) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+async def session():
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as client:
+        yield client
+
+
+def random_prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+async def complete(session, stack, prompt_ids, max_tokens, **pdd):
+    body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "pdd": {"pipeline": "p-rld-md", **pdd}}
+    return await stream_completion(session, stack.api_url, body)
+
+
+@pytest.mark.parametrize("mode", ["one-shot", "catch-up"])
+async def test_handoff_is_token_exact_in_both_modes(stack, session, tiny_generate, mode):
+    prompt = random_prompt(hash(mode) % 1000, 200)
+    result = await complete(session, stack, prompt, 120, handoff_mode=mode, md_kv_delay_ms=60)
+    assert result.token_ids == tiny_generate(prompt, 120)
+    assert len(result.token_ids) == 120 and result.tiers[0] == "relay"
+    cut = result.tiers.index("main") if "main" in result.tiers else len(result.tiers)
+    assert set(result.tiers[:cut]) == {"relay"} and set(result.tiers[cut:]) <= {"main"}, "no interleaving"
+    if result.handoff is not None:
+        assert result.handoff["eager_tokens"] == cut
+        if mode == "one-shot":
+            assert result.handoff["chunks"] == 1 and result.handoff["mode"] == "one-shot"
+
+
+async def test_catch_up_hands_off_in_chunks_and_cuts_exactly_where_told(stack, session, tiny_generate):
+    prompt = random_prompt(11, 150)
+    result = await complete(session, stack, prompt, 80, handoff_mode="catch-up", handoff_at=40)
+    assert result.token_ids == tiny_generate(prompt, 80)
+    assert result.tiers == ["relay"] * 40 + ["main"] * 40
+    assert result.handoff["mode"] == "catch-up" and result.handoff["chunks"] >= 2
+    assert result.handoff["eager_tokens"] == 40
+
+
+async def p_stats(nats_url: str) -> dict[str, messages.Heartbeat]:
+    """The next fresh heartbeat of each role."""
+    after = time.time() + 0.05
+    nc = await bus.connect(nats_url, "test-heartbeats")
+    seen: dict[str, messages.Heartbeat] = {}
+
+    async def on_beat(msg) -> None:
+        beat = messages.decode(msg.data)
+        if beat.sent_at > after:
+            seen[beat.role] = beat
+
+    await nc.subscribe(subjects.heartbeat_all(), cb=on_beat)
+    async with asyncio.timeout(10):
+        while set(seen) != {"prefill", "relay", "main"}:
+            await asyncio.sleep(0.05)
+    await nc.close()
+    return seen
+
+
+async def test_relay_finishing_first_aborts_the_wan_transfer_and_frees_both_sides(stack, session, tiny_generate):
+    before = (await p_stats(stack.nats_url))["prefill"].stats
+    prompt = random_prompt(12, 300)
+    result = await complete(session, stack, prompt, 3, md_kv_delay_ms=5000)
+    assert result.token_ids == tiny_generate(prompt, 3) and set(result.tiers) == {"relay"}
+    assert "main" not in result.summary["kv"], "MD never received the KV"
+    await asyncio.sleep(0.3)
+    after = await p_stats(stack.nats_url)
+    assert after["prefill"].stats["aborted_transfers"] == before["aborted_transfers"] + 1
+    saved = after["prefill"].stats["kv_bytes_saved_by_abort"] - before["kv_bytes_saved_by_abort"]
+    assert saved == 299 * after["prefill"].stats["kv_bytes_per_token"], "nothing of the prompt crossed"
+    for beat in after.values():
+        assert beat.running == 0 and beat.stats.get("open_inboxes", 0) == 0
+        assert beat.stats.get("open_transfers", 0) == 0 and beat.stats.get("locked_nodes", 0) == 0
