@@ -192,6 +192,13 @@ class GatewayConfig:
     token_timeout_s: float
     max_body_bytes: int
     default_max_tokens: int
+    ttft_slo_s: float = 2.0
+    ttft_budget_fraction: float = 0.5
+    skip_wan_max_tokens: int = 0
+    wan_mbps_guess: float = 100.0
+    prefill_tokens_per_s_guess: float = 1000.0
+    decode_step_s_guess: float = 0.05
+    route_load_penalty_tokens: int = 256
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
@@ -201,17 +208,34 @@ class GatewayConfig:
                        help="model whose tokenizer and chat template the gateway uses; same as the workers'")
         p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
         p.add_argument("--port", type=int, default=int(_env("PORT", "8000")))
-        p.add_argument("--pipeline", dest="default_pipeline", default=_env("PIPELINE", "p-rld-md"),
-                       choices=("p-md", "p-rld-md"), help="pipeline for requests that do not name one")
+        p.add_argument("--pipeline", dest="default_pipeline", default=_env("PIPELINE", "auto"),
+                       choices=("auto", "p-md", "p-rld-md"),
+                       help="pipeline for requests that do not name one; auto: PDD's policy per request")
         p.add_argument("--request-timeout-s", type=float, default=float(_env("REQUEST_TIMEOUT_S", "300")))
         p.add_argument("--token-timeout-s", type=float, default=float(_env("TOKEN_TIMEOUT_S", "60")),
                        help="longest wait for the next token before the request fails")
         p.add_argument("--max-body-bytes", type=int, default=int(_env("MAX_BODY_BYTES", str(4 * 1024 * 1024))))
         p.add_argument("--default-max-tokens", type=int, default=int(_env("DEFAULT_MAX_TOKENS", "256")))
+        p.add_argument("--ttft-slo-ms", type=float, default=float(_env("TTFT_SLO_MS", "2000")))
+        p.add_argument("--ttft-budget-fraction", type=float, default=float(_env("TTFT_BUDGET_FRACTION", "0.5")),
+                       help="auto picks P-MD when MD is predicted to be ready within this fraction of the SLO")
+        p.add_argument("--skip-wan-max-tokens", type=int, default=int(_env("SKIP_WAN_MAX_TOKENS", "0")),
+                       help="requests with at most this max_tokens that would go P-RLD-MD skip the WAN (0: off)")
+        p.add_argument("--wan-mbps-guess", type=float, default=float(_env("WAN_MBPS_GUESS", "100")),
+                       help="link rate assumed until P has measured one")
+        p.add_argument("--prefill-tokens-per-s-guess", type=float,
+                       default=float(_env("PREFILL_TOKENS_PER_S_GUESS", "1000")))
+        p.add_argument("--decode-step-s-guess", type=float, default=float(_env("DECODE_STEP_S_GUESS", "0.05")),
+                       help="one decode step on MD, to turn its queue into a wait")
+        p.add_argument("--route-load-penalty-tokens", type=int,
+                       default=int(_env("ROUTE_LOAD_PENALTY_TOKENS", "256")),
+                       help="cache-aware MD routing: one running request costs as much as this many hit tokens")
         return p
 
     @classmethod
     def from_argv(cls, argv: list[str] | None = None) -> GatewayConfig:
         ns = cls.parser().parse_args(argv)
         return cls(_common(ns), ns.model, ns.host, ns.port, ns.default_pipeline, ns.request_timeout_s,
-                   ns.token_timeout_s, ns.max_body_bytes, ns.default_max_tokens)
+                   ns.token_timeout_s, ns.max_body_bytes, ns.default_max_tokens, ns.ttft_slo_ms / 1000.0,
+                   ns.ttft_budget_fraction, ns.skip_wan_max_tokens, ns.wan_mbps_guess,
+                   ns.prefill_tokens_per_s_guess, ns.decode_step_s_guess, ns.route_load_penalty_tokens)

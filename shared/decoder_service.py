@@ -33,6 +33,8 @@ from shared.service_runtime import heartbeat_loop, now
 
 log = logging.getLogger(__name__)
 
+CACHE_EVENT_BLOCK_TOKENS = 16  # granularity of the gateway's view of the DRC
+
 
 @dataclass
 class DecodeRequest:
@@ -44,6 +46,7 @@ class DecodeRequest:
     prefix: PrefixHandle | None = None  # MD: the DRC prefix locked for this request
     assigned_at: float = field(default_factory=time.monotonic)
     decoding_done: bool = False  # set once the last token is out; an abort then no longer cancels
+    remembered: bool = False  # its KV is in the DRC already
     main_progress: asyncio.Event = field(default_factory=asyncio.Event)  # RLD: a KVReady came
     handoffs: asyncio.Queue = field(default_factory=asyncio.Queue)  # MD: Handoff messages from RLD
     task: asyncio.Task | None = None
@@ -72,7 +75,8 @@ class DecoderService:
         self.requests: dict[str, DecodeRequest] = {}
         self._tasks: set[asyncio.Task] = set()
         self._cache_events: list[CacheEvent] = []
-        self.prefix_cache = (RadixCache(config.cache.tokens, config.cache.kv_bytes, self._cache_events.append)
+        self.prefix_cache = (RadixCache(config.cache.tokens, config.cache.kv_bytes, self._cache_events.append,
+                                        event_block_tokens=CACHE_EVENT_BLOCK_TOKENS)
                              if config.cache.enabled else None)
 
     async def start(self) -> None:
@@ -150,7 +154,7 @@ class DecoderService:
                 seq = await self.engine.run(self._new_sequence, request.assign, kv)
                 await self.decode(request, seq)
                 request.decoding_done = True
-                await self.remember(seq)
+                await self.remember(request, seq)
         except asyncio.CancelledError:
             raise
         except PddError as exc:
@@ -171,10 +175,11 @@ class DecoderService:
         return DecodeSequence(assign.request_id, assign.prompt_ids, assign.sampling,
                               self.runner.cache_from_kv(kv), self.runner.max_context_tokens)
 
-    async def remember(self, seq: DecodeSequence) -> None:
+    async def remember(self, request: DecodeRequest, seq: DecodeSequence) -> None:
         """Keep the request's prompt and output KV in the DRC, so the session's next turn hits it."""
-        if self.prefix_cache is None:
+        if self.prefix_cache is None or request.remembered:
             return
+        request.remembered = True
         cached = seq.cache.get_seq_length()
         tokens = (seq.prompt_ids + seq.output_ids)[:cached]
         kv = await self.engine.run(self.runner.kv_slice, seq.cache, 0, cached)
@@ -184,7 +189,8 @@ class DecoderService:
     async def publish_cache_events(self) -> None:
         if not self._cache_events:
             return
-        events = [dataclasses.asdict(event) for event in self._cache_events]
+        events = [{**dataclasses.asdict(event), "block_hashes": [list(b) for b in event.block_hashes]}
+                  for event in self._cache_events]
         self._cache_events.clear()
         try:
             await bus.publish(self.nc, subjects.cache_events(self.instance_id), CacheEvents(self.instance_id, events))
@@ -205,6 +211,9 @@ class DecoderService:
         return finish_reason
 
     async def publish_token(self, request: DecodeRequest, seq: DecodeSequence, finish_reason: str | None) -> None:
+        if finish_reason is not None:
+            # into the DRC before the client sees the end, so a session's next turn always finds it
+            await self.remember(request, seq)
         await bus.publish(self.nc, request.events_subject, TokenChunk(
             request.request_id, len(seq.output_ids) - 1, [seq.output_ids[-1]], self.role, finish_reason))
 

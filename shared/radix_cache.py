@@ -80,10 +80,14 @@ class CacheEvent:
     start: int
     end: int
     tokens: int
+    # (end, hash_prefix(tokens[:end])) at every multiple of the cache's event_block_tokens inside
+    # (start, end], so an index can match prefixes that end inside a node, to block granularity
+    block_hashes: tuple[tuple[int, str], ...] = ()
 
 
 class _Node:
-    __slots__ = ("key", "kv", "parent", "children", "start", "prefix_hash", "ref", "last_access", "node_id")
+    __slots__ = ("key", "kv", "parent", "children", "start", "prefix_hash", "ref", "last_access", "node_id",
+                 "block_hashes")
 
     def __init__(self, key: tuple[int, ...], kv: torch.Tensor | None, parent: _Node | None, start: int,
                  prefix_hash: str, node_id: int) -> None:
@@ -96,6 +100,7 @@ class _Node:
         self.ref = 0
         self.last_access = 0
         self.node_id = node_id
+        self.block_hashes: tuple[tuple[int, str], ...] = ()
 
     @property
     def end(self) -> int:
@@ -144,18 +149,21 @@ class RadixCache:
     """Cached KV by token prefix, bounded in tokens and bytes, evicting unpinned leaves by LRU."""
 
     def __init__(self, capacity_tokens: int, capacity_bytes: int,
-                 listener: Callable[[CacheEvent], None] | None = None) -> None:
+                 listener: Callable[[CacheEvent], None] | None = None, event_block_tokens: int = 0) -> None:
         """
         Args:
             capacity_tokens: most tokens of KV held at once.
             capacity_bytes: most bytes of KV held at once (sum of the stored tensors' nbytes).
             listener: called synchronously after each node is stored, split or evicted; it must
                 not raise or call back into the cache (hand the event to a queue).
+            event_block_tokens: if > 0, events also name every prefix ending at a multiple of
+                this many tokens (`CacheEvent.block_hashes`).
         """
         if capacity_tokens < 0 or capacity_bytes < 0:
             raise ValueError("capacities must be >= 0")
         self.capacity_tokens = capacity_tokens
         self.capacity_bytes = capacity_bytes
+        self.event_block_tokens = event_block_tokens
         self._listener = listener
         self._ids = itertools.count()
         self._clock = itertools.count(1)  # a logical clock, so LRU order is deterministic in tests
@@ -272,6 +280,10 @@ class RadixCache:
         # A contiguous clone: a view would pin the caller's whole buffer and break the byte bound.
         leaf_kv = kv[:, :, :, matched:end].clone(memory_format=torch.contiguous_format)
         leaf = _Node(ids[matched:end], leaf_kv, node, matched, hash_prefix(ids[:end]), next(self._ids))
+        if self.event_block_tokens:
+            block = self.event_block_tokens
+            ends = range((matched // block + 1) * block, end + 1, block)
+            leaf.block_hashes = tuple(prefix_hashes(ids, ends).items())
         leaf.last_access = next(self._clock)
         node.children[leaf.key[0]] = leaf
         self._tokens += fits
@@ -417,6 +429,8 @@ class RadixCache:
         # so copying the count keeps release exact.
         upper.ref = node.ref
         upper.last_access = node.last_access
+        upper.block_hashes = tuple(b for b in node.block_hashes if b[0] <= end)
+        node.block_hashes = tuple(b for b in node.block_hashes if b[0] > end)
         node.parent.children[upper.key[0]] = upper
         # Clone both halves so each owns exactly its bytes (a view would keep the whole buffer).
         node.kv = node.kv[:, :, :, at:].clone(memory_format=torch.contiguous_format)
@@ -474,7 +488,7 @@ class RadixCache:
 
     def _emit(self, kind: EventKind, node: _Node, tokens: int) -> None:
         if self._listener is not None:
-            self._listener(CacheEvent(kind, node.prefix_hash, node.start, node.end, tokens))
+            self._listener(CacheEvent(kind, node.prefix_hash, node.start, node.end, tokens, node.block_hashes))
 
 
 def _as_ids(token_ids: Sequence[int] | torch.Tensor) -> tuple[int, ...]:

@@ -6,7 +6,7 @@ import torch
 
 from shared.errors import BadRequest
 from shared.sampling import SamplingParams, sample_token
-from services.relay.handoff import RelayAction, next_action
+from services.relay.handoff import HandoffMode, HandoffPlan, Step, choose_mode
 
 
 def test_sampled_token_depends_only_on_seed_and_index() -> None:
@@ -36,13 +36,50 @@ def test_bad_sampling_parameters_are_refused(kwargs: dict) -> None:
         SamplingParams(**kwargs)
 
 
-def test_relay_hands_off_as_soon_as_main_is_ready() -> None:
-    assert next_action(0, False, None) is RelayAction.DECODE
-    assert next_action(5, True, None) is RelayAction.HAND_OFF
+def test_one_shot_cuts_at_mains_first_report() -> None:
+    plan = HandoffPlan(HandoffMode.ONE_SHOT, threshold=64, handoff_at=None)
+    assert plan.next(5).step is Step.DECODE
+    plan.on_main_progress()
+    decision = plan.next(7)
+    assert (decision.step, decision.start, decision.end) == (Step.CUT, 0, 7)
 
 
-def test_relay_handoff_point_can_be_pinned() -> None:
-    assert next_action(3, True, 10) is RelayAction.DECODE
-    assert next_action(10, False, 10) is RelayAction.WAIT_FOR_MAIN
-    assert next_action(10, True, 10) is RelayAction.HAND_OFF
-    assert next_action(0, False, 0) is RelayAction.WAIT_FOR_MAIN
+def test_catch_up_sends_chunks_until_the_rest_is_below_the_threshold() -> None:
+    plan = HandoffPlan(HandoffMode.CATCH_UP, threshold=10, handoff_at=None)
+    plan.on_main_progress()
+    first = plan.next(100)
+    assert (first.step, first.start, first.end) == (Step.SEND_CHUNK, 0, 100)
+    assert plan.next(105).step is Step.DECODE, "MD has not caught up yet"
+    plan.on_main_progress()
+    second = plan.next(130)
+    assert (second.step, second.start, second.end) == (Step.SEND_CHUNK, 100, 130)
+    plan.on_main_progress()
+    cut = plan.next(136)
+    assert (cut.step, cut.start, cut.end) == (Step.CUT, 130, 136) and not plan.fell_back
+
+
+def test_catch_up_falls_back_to_one_shot_when_main_falls_behind() -> None:
+    plan = HandoffPlan(HandoffMode.CATCH_UP, threshold=10, handoff_at=None)
+    plan.on_main_progress()
+    assert plan.next(50).step is Step.SEND_CHUNK
+    plan.on_main_progress()
+    assert plan.next(110).step is Step.CUT, "60 left after sending 50: not converging"
+    assert plan.fell_back
+
+
+def test_the_cut_can_be_pinned() -> None:
+    plan = HandoffPlan(HandoffMode.ONE_SHOT, threshold=64, handoff_at=10)
+    plan.on_main_progress()
+    assert plan.next(3).step is Step.DECODE
+    assert plan.next(10).step is Step.CUT
+    waiting = HandoffPlan(HandoffMode.CATCH_UP, threshold=64, handoff_at=0)
+    assert waiting.next(0).step is Step.WAIT_FOR_MAIN
+    waiting.on_main_progress()
+    cut = waiting.next(0)
+    assert (cut.step, cut.start, cut.end) == (Step.CUT, 0, 0)
+
+
+def test_auto_mode_follows_relay_load() -> None:
+    assert choose_mode("auto", running_requests=2, catch_up_max_running=4) is HandoffMode.CATCH_UP
+    assert choose_mode("auto", running_requests=9, catch_up_max_running=4) is HandoffMode.ONE_SHOT
+    assert choose_mode("one-shot", running_requests=0, catch_up_max_running=4) is HandoffMode.ONE_SHOT

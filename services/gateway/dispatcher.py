@@ -7,9 +7,11 @@ Abort broadcast, so no tier keeps state for a request the gateway has let go.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
@@ -17,11 +19,13 @@ from nats.aio.msg import Msg
 
 from shared import bus, messages, subjects, tracing
 from shared.config import GatewayConfig
-from shared.errors import DeadlineExceeded, PddError, ProtocolError
+from shared.errors import DeadlineExceeded, PddError, PeerGone, ProtocolError
 from shared.messages import (Abort, DecodeAccepted, DecodeAssign, HandoffStats, KVReceived, KVTarget, PrefillAccepted,
                              PrefillDone, PrefillRequest, RequestFailed, TokenChunk)
 from shared.sampling import SamplingParams
-from services.gateway.registry import InstanceRegistry
+from services.gateway.cache_index import MainCacheIndex
+from services.gateway.policy import LinkEstimate, PipelineDecision, PolicyConfig, choose_pipeline
+from services.gateway.registry import Instance, InstanceRegistry
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +57,13 @@ _FAILED_BY_CODE = {cls.code: cls for cls in (DeadlineExceeded, ProtocolError)}
 class RequestRun:
     """One request in flight: its event subscription, merge state and outcome."""
 
-    def __init__(self, nc: NATS, req: GenerationRequest, pipeline: str, config: GatewayConfig) -> None:
+    def __init__(self, nc: NATS, req: GenerationRequest, pipeline: str, config: GatewayConfig,
+                 telemetry: Telemetry | None = None, on_close: Callable[[RequestRun], None] | None = None) -> None:
         self.nc = nc
+        self._on_close = on_close
+        self.telemetry = telemetry
+        self.decision: PipelineDecision | None = None
+        self.instances: dict[str, str] = {}
         self.request = req
         self.request_id = req.request_id
         self.pipeline = pipeline
@@ -114,6 +123,8 @@ class RequestRun:
                 self.handoff = event
             elif isinstance(event, PrefillDone):
                 self.prefill = event
+                if self.telemetry is not None:
+                    self.telemetry.observe_prefill(event)
             elif isinstance(event, RequestFailed):
                 raise _FAILED_BY_CODE.get(event.code, PddError)(f"{event.tier}: {event.message}")
 
@@ -125,13 +136,26 @@ class RequestRun:
             "kv": {tier: {"cached_tokens": kv.cached_tokens, "kv_tokens": kv.kv_tokens, "kv_bytes": kv.kv_bytes,
                           "kv_wait_s": round(kv.kv_wait_s, 6)} for tier, kv in self.kv_received.items()},
             "ttft_s": None if self.first_token_at is None else round(self.first_token_at - self.started_at, 6),
+            "instances": dict(self.instances),
+            "policy": None if self.decision is None else self._policy_summary(),
         }
+
+    def _policy_summary(self) -> dict:
+        decision = self.decision
+        main_kv = self.kv_received.get("main")
+        return {"reason": decision.reason, "main_hit_predicted": decision.main_hit_tokens,
+                "wan_bytes_predicted": decision.wan_bytes,
+                "main_ready_predicted_s": round(decision.predicted_main_ready_s, 6),
+                "main_ready_actual_s": None if main_kv is None else round(main_kv.kv_wait_s, 6),
+                "ttft_budget_s": decision.budget_s}
 
     async def close(self, reason: str) -> None:
         """Idempotent: stop listening and tell every tier to drop the request."""
         if self._closed:
             return
         self._closed = True
+        if self._on_close is not None:
+            self._on_close(self)
         if self._sub is not None:
             await self._sub.unsubscribe()
         try:
@@ -140,46 +164,128 @@ class RequestRun:
             log.warning("%s: abort not broadcast: %s", self.request_id, exc)
 
 
+class Telemetry:
+    """What the gateway has measured about the stack, for the policy's predictions."""
+
+    def __init__(self, alpha: float = 0.3) -> None:
+        self.alpha = alpha
+        self.prefill_tokens_per_s: float | None = None
+
+    def observe_prefill(self, done: PrefillDone) -> None:
+        if done.computed_tokens < 16 or done.prefill_s <= 0:
+            return  # tiny prefills measure overheads, not throughput
+        rate = done.computed_tokens / done.prefill_s
+        old = self.prefill_tokens_per_s
+        self.prefill_tokens_per_s = rate if old is None else old + self.alpha * (rate - old)
+
+
 class Dispatcher:
-    def __init__(self, nc: NATS, registry: InstanceRegistry, config: GatewayConfig) -> None:
+    def __init__(self, nc: NATS, registry: InstanceRegistry, config: GatewayConfig, cache_index: MainCacheIndex,
+                 counters: Counter[str] | None = None) -> None:
         self.nc = nc
         self.registry = registry
         self.config = config
+        self.cache_index = cache_index
+        self.telemetry = Telemetry()
+        self.counters: Counter[str] = counters if counters is not None else Counter()
+        self.policy = PolicyConfig(config.ttft_slo_s, config.ttft_budget_fraction, config.skip_wan_max_tokens,
+                                   config.wan_mbps_guess * 1e6 / 8, config.prefill_tokens_per_s_guess)
         self.tracer = tracing.tracer("pdd.gateway")
 
     async def start(self, req: GenerationRequest) -> RequestRun:
-        pipeline = req.pipeline or self.config.default_pipeline
+        """Dispatch; an instance that fails to accept is skipped and the next one tried, once per role."""
+        for attempt in range(2):
+            try:
+                return await self._start_once(req)
+            except (PeerGone, DeadlineExceeded) as exc:
+                failed = getattr(exc, "instance_id", None)
+                if failed is None or attempt == 1:
+                    raise
+                log.warning("%s: %s did not accept (%s); trying another instance", req.request_id, failed, exc)
+                self.registry.suspect(failed)
+        raise AssertionError("unreachable")
+
+    def _choose_main(self, prompt_ids: list[int]) -> tuple[Instance, int]:
+        """Cache-aware: the MD holding the longest prefix of the prompt, weighed against its load."""
+        hits: dict[str, int] = {}
+
+        def score(instance: Instance) -> float:
+            hit = self.cache_index.hit_tokens(instance.heartbeat.instance_id, prompt_ids[:-1])
+            hits[instance.heartbeat.instance_id] = hit
+            return hit - self.config.route_load_penalty_tokens * instance.load
+
+        main = self.registry.pick("main", score)
+        return main, hits.get(main.heartbeat.instance_id, 0)
+
+    def _decide(self, req: GenerationRequest, main: Instance, main_hit: int, prefill: Instance) -> PipelineDecision:
+        md = main.heartbeat
+        estimate = LinkEstimate(
+            link_bytes_per_s=prefill.heartbeat.link_bytes_per_s.get(f"{md.kv_host}:{md.kv_port}"),
+            prefill_tokens_per_s=self.telemetry.prefill_tokens_per_s,
+            main_queue_s=max(0, main.load - 1) * self.config.decode_step_s_guess)  # load counts this request
+        kv_bytes_per_token = int(prefill.heartbeat.stats.get("kv_bytes_per_token", 0))
+        decision = choose_pipeline(self.policy, len(req.prompt_ids), req.sampling.max_tokens, main_hit,
+                                   kv_bytes_per_token, estimate)
+        forced = req.pipeline or (None if self.config.default_pipeline == "auto" else self.config.default_pipeline)
+        if forced is not None and forced != decision.pipeline:
+            decision = dataclasses.replace(decision, pipeline=forced, reason="named by the request or gateway flag")
+        return decision
+
+    async def _start_once(self, req: GenerationRequest) -> RequestRun:
         prefill = self.registry.pick("prefill")
-        main = self.registry.pick("main")
-        relay = self.registry.pick("relay") if pipeline == "p-rld-md" else None
-        run = RequestRun(self.nc, req, pipeline, self.config)
+        main, main_hit = self._choose_main(req.prompt_ids)
+        decision = self._decide(req, main, main_hit, prefill)
+        pipeline = decision.pipeline
+        relay = self.registry.pick("relay") if pipeline in ("p-rld-md", "p-rld") else None
+        self.counters[f"pipeline.{pipeline}"] += 1
+        run = RequestRun(self.nc, req, pipeline, self.config, self.telemetry, on_close=self._release)
+        run.decision = decision
+        run.instances = {"prefill": prefill.heartbeat.instance_id, "main": main.heartbeat.instance_id,
+                         **({"relay": relay.heartbeat.instance_id} if relay else {})}
+        if pipeline == "p-rld":
+            del run.instances["main"]
+            self.registry.done(main.heartbeat.instance_id)
         await run.subscribe()
         try:
             with self.tracer.start_as_current_span("gateway.dispatch") as span:
-                span.set_attributes({"pdd.request_id": req.request_id, "pdd.pipeline": pipeline,
-                                     "pdd.prompt_tokens": len(req.prompt_ids)})
+                span.set_attributes({
+                    "pdd.request_id": req.request_id, "pdd.pipeline": pipeline, "pdd.policy_reason": decision.reason,
+                    "pdd.prompt_tokens": len(req.prompt_ids), "pdd.main_hit_predicted": main_hit,
+                    "pdd.wan_bytes_predicted": decision.wan_bytes,
+                    "pdd.main_ready_predicted_s": decision.predicted_main_ready_s, "pdd.ttft_budget_s": decision.budget_s,
+                    **{f"pdd.instance.{role}": iid for role, iid in run.instances.items()}})
                 headers = tracing.inject()
+                main_id = main.heartbeat.instance_id if pipeline != "p-rld" else ""
                 assign = DecodeAssign(
                     req.request_id, pipeline, req.prompt_ids, req.sampling,
-                    relay.heartbeat.instance_id if relay else None, main.heartbeat.instance_id,
+                    relay.heartbeat.instance_id if relay else None, main_id,
                     self.config.request_timeout_s, req.handoff_at, handoff_mode=req.handoff_mode)
-                decoders = [("main", main)] + ([("relay", relay)] if relay else [])
-                accepted = await asyncio.gather(*(
-                    bus.request(self.nc, subjects.decode_assign(role, inst.heartbeat.instance_id), assign,
-                                DecodeAccepted, ASSIGN_TIMEOUT_S, headers)
-                    for role, inst in decoders))
+                decoders = ([("main", main)] if pipeline != "p-rld" else []) + ([("relay", relay)] if relay else [])
+                accepted = await asyncio.gather(*(self._call(role, inst, assign, headers) for role, inst in decoders))
                 targets = [KVTarget(role, acc.kv_host, acc.kv_port, acc.cached_tokens,
                                     req.md_kv_delay_s if role == "main" else 0.0)
                            for (role, _), acc in zip(decoders, accepted)]
-                prefill_accepted = await bus.request(
-                    self.nc, subjects.prefill(prefill.heartbeat.instance_id),
-                    PrefillRequest(req.request_id, req.prompt_ids, targets, self.config.request_timeout_s),
-                    PrefillAccepted, ASSIGN_TIMEOUT_S, headers)
+                prefill_accepted = await self._call("prefill", prefill, PrefillRequest(
+                    req.request_id, req.prompt_ids, targets, self.config.request_timeout_s), headers)
                 run.cached_tokens = prefill_accepted.cached_tokens
-                run.main_cached_tokens = accepted[0].cached_tokens
+                run.main_cached_tokens = accepted[0].cached_tokens if pipeline != "p-rld" else 0
                 span.set_attributes({"pdd.prefill_cached_tokens": run.cached_tokens,
                                      "pdd.main_cached_tokens": run.main_cached_tokens})
         except BaseException:
             await run.close("dispatch failed")
             raise
         return run
+
+    def _release(self, run: RequestRun) -> None:
+        for instance_id in run.instances.values():
+            self.registry.done(instance_id)
+
+    async def _call(self, role: str, instance: Instance, msg: object, headers: dict[str, str]) -> object:
+        instance_id = instance.heartbeat.instance_id
+        subject = subjects.prefill(instance_id) if role == "prefill" else subjects.decode_assign(role, instance_id)
+        reply_type = PrefillAccepted if role == "prefill" else DecodeAccepted
+        try:
+            return await bus.request(self.nc, subject, msg, reply_type, ASSIGN_TIMEOUT_S, headers)
+        except (PeerGone, DeadlineExceeded) as exc:
+            exc.instance_id = instance_id
+            raise

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.errors import PeerGone
@@ -13,31 +14,54 @@ from shared.subjects import ROLES
 class Instance:
     heartbeat: Heartbeat
     last_seen: float
-    in_flight: int = 0  # requests this gateway sent since the last heartbeat counted them
+    in_flight: int = 0  # this gateway's requests on the instance now (exact, unlike the heartbeat)
 
     @property
     def load(self) -> int:
-        return self.heartbeat.running + self.heartbeat.waiting + self.in_flight
+        """Requests on the instance. This gateway's own count is exact and current; a heartbeat's
+        count may be a beat old, so it only adds what waits in the instance's queue."""
+        return self.in_flight + self.heartbeat.waiting
 
 
 class InstanceRegistry:
-    def __init__(self, stale_after_s: float) -> None:
+    """Live instances by role. An instance is dropped when its heartbeats stop, and skipped for
+    a while when a call to it failed (it may be dead before its heartbeats go stale)."""
+
+    def __init__(self, stale_after_s: float, suspect_for_s: float = 5.0) -> None:
         self.stale_after_s = stale_after_s
+        self.suspect_for_s = suspect_for_s
         self._instances: dict[str, Instance] = {}
+        self._suspect_until: dict[str, float] = {}
 
     def observe(self, heartbeat: Heartbeat) -> None:
-        self._instances[heartbeat.instance_id] = Instance(heartbeat, time.monotonic())
+        known = self._instances.get(heartbeat.instance_id)
+        self._instances[heartbeat.instance_id] = Instance(heartbeat, time.monotonic(), known.in_flight if known else 0)
+
+    def done(self, instance_id: str) -> None:
+        """A request picked on this instance ended."""
+        instance = self._instances.get(instance_id)
+        if instance is not None and instance.in_flight > 0:
+            instance.in_flight -= 1
+
+    def suspect(self, instance_id: str) -> None:
+        self._suspect_until[instance_id] = time.monotonic() + self.suspect_for_s
 
     def alive(self, role: str) -> list[Instance]:
-        cutoff = time.monotonic() - self.stale_after_s
-        return [i for i in self._instances.values() if i.heartbeat.role == role and i.last_seen >= cutoff]
+        now = time.monotonic()
+        cutoff = now - self.stale_after_s
+        return [i for i in self._instances.values() if i.heartbeat.role == role and i.last_seen >= cutoff
+                and self._suspect_until.get(i.heartbeat.instance_id, 0.0) <= now]
 
-    def pick(self, role: str) -> Instance:
-        """The least-loaded live instance of `role`."""
+    def get(self, instance_id: str) -> Instance | None:
+        return self._instances.get(instance_id)
+
+    def pick(self, role: str, score: Callable[[Instance], float] | None = None) -> Instance:
+        """The live instance of `role` with the best score (default: the least loaded)."""
         candidates = self.alive(role)
         if not candidates:
             raise PeerGone(f"no live {role} instance")
-        chosen = min(candidates, key=lambda i: (i.load, i.heartbeat.instance_id))
+        key = score or (lambda i: -i.load)
+        chosen = max(candidates, key=lambda i: (key(i), -i.load, i.heartbeat.instance_id))
         chosen.in_flight += 1
         return chosen
 

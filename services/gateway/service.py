@@ -13,8 +13,9 @@ from nats.aio.msg import Msg
 from shared import bus, messages, subjects
 from shared.config import GatewayConfig
 from shared.errors import PddError
-from shared.messages import Heartbeat
+from shared.messages import CacheEvents, Heartbeat
 from shared.models import load_tokenizer, max_context_tokens, resolve_model, served_model_name
+from services.gateway.cache_index import MainCacheIndex
 from services.gateway.dispatcher import Dispatcher
 from services.gateway.http_errors import error_middleware
 from services.gateway.openai_api import OpenAIHandlers
@@ -33,11 +34,13 @@ class GatewayService:
         self.served_model = served_model_name(path)
         self.max_context_tokens = max_context_tokens(path)
         self.registry = InstanceRegistry(stale_after_s=STALE_HEARTBEATS * config.common.heartbeat_s)
+        self.cache_index = MainCacheIndex()
 
     async def start(self) -> None:
         self.nc = await bus.connect(self.config.common.nats_url, self.config.common.instance_id)
         await self.nc.subscribe(subjects.heartbeat_all(), cb=self._on_heartbeat)
-        self.dispatcher = Dispatcher(self.nc, self.registry, self.config)
+        await self.nc.subscribe(subjects.cache_events_all(), cb=self._on_cache_events)
+        self.dispatcher = Dispatcher(self.nc, self.registry, self.config, self.cache_index)
         handlers = OpenAIHandlers(self.dispatcher, self.tokenizer, self.served_model, self.config,
                                   self.max_context_tokens)
         app = web.Application(middlewares=[error_middleware], client_max_size=self.config.max_body_bytes)
@@ -58,6 +61,14 @@ class GatewayService:
             self.registry.observe(messages.decode_as(msg.data, Heartbeat))
         except PddError as exc:
             log.debug("bad heartbeat: %s", exc)
+
+    async def _on_cache_events(self, msg: Msg) -> None:
+        try:
+            events = messages.decode_as(msg.data, CacheEvents)
+        except PddError as exc:
+            log.debug("bad cache events: %s", exc)
+            return
+        self.cache_index.apply(events.instance_id, events.events)
 
     async def _healthz(self, request: web.Request) -> web.Response:
         counts = self.registry.counts()

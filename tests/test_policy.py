@@ -1,0 +1,70 @@
+"""The gateway's pipeline choice and its index of MD caches, as plain logic."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from services.gateway.cache_index import MainCacheIndex
+from services.gateway.policy import LinkEstimate, PolicyConfig, choose_pipeline
+from shared.radix_cache import RadixCache
+
+CONFIG = PolicyConfig(ttft_slo_s=2.0, budget_fraction=0.5, skip_wan_max_tokens=0,
+                      default_link_bytes_per_s=100e6 / 8, default_prefill_tokens_per_s=5000)
+KV_BYTES_PER_TOKEN = 46_080  # SmolLM2, fp32
+
+
+def decide(link_mbps: float, prompt_tokens: int = 2000, hit: int = 0, max_tokens: int = 256,
+           config: PolicyConfig = CONFIG) -> str:
+    estimate = LinkEstimate(link_mbps * 1e6 / 8, 5000.0, 0.0)
+    return choose_pipeline(config, prompt_tokens, max_tokens, hit, KV_BYTES_PER_TOKEN, estimate).pipeline
+
+
+def test_choice_flips_to_relay_as_bandwidth_drops() -> None:
+    # 2,000 uncached tokens = 92 MB: 0.07 s at 10 Gbit/s, 7.4 s at 100 Mbit/s
+    assert decide(10_000) == "p-md"
+    assert decide(1_000) == "p-md"
+    assert decide(100) == "p-rld-md"
+    assert decide(10) == "p-rld-md"
+
+
+def test_choice_flips_to_relay_as_the_main_hit_falls() -> None:
+    assert decide(100, hit=1999) == "p-md"
+    assert decide(100, hit=1990) == "p-md"  # 9 tokens cross
+    assert decide(100, hit=1000) == "p-rld-md"
+    assert decide(100, hit=0) == "p-rld-md"
+
+
+def test_prediction_counts_what_crosses_and_the_queue() -> None:
+    estimate = LinkEstimate(10e6, 1000.0, 0.25)
+    decision = choose_pipeline(CONFIG, 1001, 64, 500, 1000, estimate)
+    assert decision.wan_bytes == 500 * 1000
+    assert abs(decision.predicted_main_ready_s - (0.25 + max(0.5, 0.05))) < 1e-9
+
+
+def test_short_outputs_may_skip_the_wan_only_when_enabled_and_late() -> None:
+    skipping = PolicyConfig(2.0, 0.5, skip_wan_max_tokens=4, default_link_bytes_per_s=1e6,
+                            default_prefill_tokens_per_s=5000)
+    assert decide(100, max_tokens=2, config=skipping) == "p-rld"
+    assert decide(100, max_tokens=2, hit=1999, config=skipping) == "p-md", "in time: nothing to skip"
+    assert decide(100, max_tokens=64, config=skipping) == "p-rld-md"
+    assert decide(100, max_tokens=2) == "p-rld-md", "off by default: P-RLD is never planned"
+
+
+def test_index_mirrors_the_main_cache_from_its_events() -> None:
+    index = MainCacheIndex()
+    cache = RadixCache(capacity_tokens=400, capacity_bytes=1 << 30, event_block_tokens=16,
+                       listener=lambda event: index.apply("md-1", [event.__dict__]))
+    rng = random.Random(0)
+    base = [rng.randrange(1000) for _ in range(100)]
+    cache.insert(base, torch.zeros(1, 2, 1, 100, 4))
+    cache.insert(base[:60] + [7] * 40, torch.zeros(1, 2, 1, 100, 4))  # splits the first node at 60
+    assert index.hit_tokens("md-1", base + [1, 2, 3]) == 100
+    assert index.hit_tokens("md-1", base[:60] + [7] * 40) == 100
+    assert index.hit_tokens("md-1", base[:70]) == 64, "inside a node: to the block below"
+    assert index.hit_tokens("md-1", base[:63]) == 60
+    assert index.hit_tokens("md-1", [5] + base) == 0
+    assert index.hit_tokens("md-2", base) == 0
+    for _ in range(5):  # push everything out
+        cache.insert([rng.randrange(1000) for _ in range(100)], torch.zeros(1, 2, 1, 100, 4))
+    assert index.hit_tokens("md-1", base) == 0
