@@ -11,6 +11,7 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
@@ -41,6 +42,19 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
 def _add_kv_stall(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-stall-timeout-s", type=float, default=float(_env("KV_STALL_TIMEOUT_S", "10")),
                         help="a KV transfer fails when no frame moves for this long (cut or stuck link)")
+    parser.add_argument("--kv-secret-file", default=_env("KV_SECRET_FILE", ""),
+                        help="shared secret for the KV sockets' challenge-response handshake (P and decoders "
+                             "must hold the same); empty: no authentication")
+
+
+def read_secret(path: str) -> bytes | None:
+    """The KV secret's bytes, or None when no file is configured; an empty file is an error."""
+    if not path:
+        return None
+    secret = Path(path).read_bytes().strip()
+    if not secret:
+        raise SystemExit(f"--kv-secret-file {path} is empty")
+    return secret
 
 
 def _add_cache(parser: argparse.ArgumentParser, what: str) -> None:
@@ -105,6 +119,7 @@ class PrefillConfig:
     kv_connections: int
     kv_wire_dtype: str
     kv_stall_timeout_s: float
+    kv_secret_file: str = ""
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
@@ -128,7 +143,7 @@ class PrefillConfig:
     def from_argv(cls, argv: list[str] | None = None) -> PrefillConfig:
         ns = cls.parser().parse_args(argv)
         return cls(_common(ns), _model(ns), CacheConfig(ns.cache_tokens, ns.cache_bytes), ns.chunk_tokens, ns.kv_queue_chunks, ns.kv_connect_timeout_s,
-                   ns.kv_connections, ns.kv_wire_dtype or ns.dtype, ns.kv_stall_timeout_s)
+                   ns.kv_connections, ns.kv_wire_dtype or ns.dtype, ns.kv_stall_timeout_s, ns.kv_secret_file)
 
 
 @dataclass(frozen=True)
@@ -145,6 +160,7 @@ class DecoderConfig:
     advertise_port: int  # 0: the port the KV socket bound
     kv_stall_timeout_s: float
     handoff: HandoffConfig  # RLD only
+    kv_secret_file: str = ""
 
     @classmethod
     def parser(cls, role: str) -> argparse.ArgumentParser:
@@ -178,7 +194,7 @@ class DecoderConfig:
         handoff = (HandoffConfig(ns.handoff_mode, ns.catch_up_threshold, ns.catch_up_max_running)
                    if role == "relay" else HandoffConfig("one-shot", 0, 0))
         return cls(_common(ns), _model(ns), role, cache, ns.kv_host, ns.kv_port, advertise, ns.advertise_port,
-                   ns.kv_stall_timeout_s, handoff)
+                   ns.kv_stall_timeout_s, handoff, ns.kv_secret_file)
 
 
 @dataclass(frozen=True)
@@ -199,6 +215,8 @@ class GatewayConfig:
     prefill_tokens_per_s_guess: float = 1000.0
     decode_step_s_guess: float = 0.05
     route_load_penalty_tokens: int = 256
+    max_running_requests: int = 0
+    api_key_file: str = ""
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
@@ -230,6 +248,10 @@ class GatewayConfig:
         p.add_argument("--route-load-penalty-tokens", type=int,
                        default=int(_env("ROUTE_LOAD_PENALTY_TOKENS", "256")),
                        help="cache-aware MD routing: one running request costs as much as this many hit tokens")
+        p.add_argument("--max-running-requests", type=int, default=int(_env("MAX_RUNNING_REQUESTS", "64")),
+                       help="requests in flight before new ones get 429 with Retry-After (0: no limit)")
+        p.add_argument("--api-key-file", default=_env("API_KEY_FILE", ""),
+                       help="file holding the API key clients must send as a Bearer token; empty: open")
         return p
 
     @classmethod
@@ -238,4 +260,5 @@ class GatewayConfig:
         return cls(_common(ns), ns.model, ns.host, ns.port, ns.default_pipeline, ns.request_timeout_s,
                    ns.token_timeout_s, ns.max_body_bytes, ns.default_max_tokens, ns.ttft_slo_ms / 1000.0,
                    ns.ttft_budget_fraction, ns.skip_wan_max_tokens, ns.wan_mbps_guess,
-                   ns.prefill_tokens_per_s_guess, ns.decode_step_s_guess, ns.route_load_penalty_tokens)
+                   ns.prefill_tokens_per_s_guess, ns.decode_step_s_guess, ns.route_load_penalty_tokens,
+                   ns.max_running_requests, ns.api_key_file)

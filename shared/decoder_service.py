@@ -19,7 +19,7 @@ from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
 
 from shared import bus, messages, subjects, tracing
-from shared.config import DecoderConfig
+from shared.config import DecoderConfig, read_secret
 from shared.engine import EngineThread
 from shared.errors import PddError
 from shared.kv_transfer import KVInbox, KVReceiver
@@ -70,7 +70,7 @@ class DecoderService:
         self.layout = kv_layout(path)
         self.runner = ModelRunner(load_model(path, config.model.dtype, config.model.device))
         self.engine = EngineThread(self.role, config.model.torch_threads)
-        self.receiver = KVReceiver(self.layout, DTYPE_NAMES[config.model.dtype])
+        self.receiver = KVReceiver(self.layout, DTYPE_NAMES[config.model.dtype], read_secret(config.kv_secret_file))
         self.tracer = tracing.tracer(f"pdd.{self.role}")
         self.requests: dict[str, DecodeRequest] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -105,6 +105,7 @@ class DecoderService:
 
     def _describe(self) -> Heartbeat:
         stats = {"open_inboxes": len(self.receiver.inboxes), "kv_connections": self.receiver.open_connections,
+                 "kv_refused_connections": self.receiver.refused_connections,
                  "frames_dropped": self.receiver.frames_dropped,
                  **(self.prefix_cache.gauges() if self.prefix_cache is not None else {})}
         return Heartbeat(self.role, self.instance_id, self.config.advertise_host, self.advertise_port,

@@ -60,6 +60,18 @@ class _StateMachine:
         return not _ALLOWED[self.state]
 
 
+async def read_message(reader: asyncio.StreamReader) -> dict:
+    """One length-prefixed JSON object of the handshake."""
+    length = kv_wire.unpack_length(await reader.readexactly(kv_wire.LENGTH_PREFIX_BYTES))
+    try:
+        msg = orjson.loads(await reader.readexactly(length))
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError(f"handshake message is not JSON: {exc}") from exc
+    if not isinstance(msg, dict):
+        raise ProtocolError("handshake message is not a JSON object")
+    return msg
+
+
 # --- receiving side (RLD, MD) ---------------------------------------------------------------
 
 class KVInbox(_StateMachine):
@@ -157,9 +169,11 @@ class KVInbox(_StateMachine):
 class KVReceiver:
     """The decoder's KV port: handshakes senders and routes frames into inboxes."""
 
-    def __init__(self, layout: KVLayout, dtype: torch.dtype) -> None:
+    def __init__(self, layout: KVLayout, dtype: torch.dtype, secret: bytes | None = None) -> None:
         self.layout = layout
         self.dtype = dtype
+        self.secret = secret
+        self.refused_connections = 0
         self.inboxes: dict[str, KVInbox] = {}
         self.frames_dropped = 0
         self._server: asyncio.Server | None = None
@@ -205,8 +219,9 @@ class KVReceiver:
                 await self._read_frame(reader)
         except asyncio.IncompleteReadError:
             log.debug("KV peer %s closed", peer)
-        except (ProtocolError, IncompatiblePeer) as exc:
-            log.warning("KV peer %s refused: %s", peer, exc)
+        except (ProtocolError, IncompatiblePeer, TimeoutError) as exc:
+            self.refused_connections += 1
+            log.warning("KV peer %s refused: %s", peer, exc or "handshake timed out")
         except ConnectionError as exc:
             log.info("KV peer %s connection lost: %s", peer, exc)
         finally:
@@ -216,17 +231,19 @@ class KVReceiver:
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
-            length = kv_wire.unpack_length(await reader.readexactly(kv_wire.LENGTH_PREFIX_BYTES))
+            nonce = kv_wire.new_nonce()
+            writer.write(kv_wire.pack_message(kv_wire.challenge(nonce)))
+            await writer.drain()
             try:
-                msg = orjson.loads(await reader.readexactly(length))
-                if not isinstance(msg, dict):
-                    raise ProtocolError("handshake is not a JSON object")
+                msg = await read_message(reader)
                 kv_wire.check_hello(msg, self.layout)
-            except (orjson.JSONDecodeError, ProtocolError, IncompatiblePeer) as exc:
+                kv_wire.check_proof(self.secret, nonce, "sender", msg.get("auth"))
+            except (ProtocolError, IncompatiblePeer) as exc:
                 writer.write(kv_wire.pack_message({"ok": False, "reason": str(exc)}))
                 await writer.drain()
                 raise IncompatiblePeer(str(exc)) from exc
-            writer.write(kv_wire.pack_message({"ok": True, "model_id": self.layout.model_id}))
+            writer.write(kv_wire.pack_message({"ok": True, "model_id": self.layout.model_id,
+                                               "auth": kv_wire.proof(self.secret, str(msg.get("nonce")), "receiver")}))
             await writer.drain()
 
     async def _read_frame(self, reader: asyncio.StreamReader) -> None:
@@ -278,8 +295,9 @@ class KVSender:
     """
 
     def __init__(self, layout: KVLayout, wire_dtype: torch.dtype, connect_timeout_s: float,
-                 connections_per_peer: int = 1, stall_timeout_s: float = 10.0) -> None:
+                 connections_per_peer: int = 1, stall_timeout_s: float = 10.0, secret: bytes | None = None) -> None:
         self.layout = layout
+        self.secret = secret
         self.stall_timeout_s = stall_timeout_s
         self.wire_dtype = wire_dtype
         self.connect_timeout_s = connect_timeout_s
@@ -303,20 +321,29 @@ class KVSender:
         return (await self.connections(host, port))[0]
 
     async def _open(self, host: str, port: int) -> KVConnection:
+        writer = None
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 reader, writer = await asyncio.open_connection(host, port)
-                writer.write(kv_wire.pack_message(kv_wire.hello(self.layout, self.wire_dtype)))
+                challenge = await read_message(reader)
+                if challenge.get("magic") != kv_wire.MAGIC.decode() or not isinstance(challenge.get("nonce"), str):
+                    raise IncompatiblePeer(f"{host}:{port} is not a pdd KV receiver of protocol {kv_wire.PROTOCOL_VERSION}")
+                nonce = kv_wire.new_nonce()
+                writer.write(kv_wire.pack_message(kv_wire.hello(self.layout, self.wire_dtype, {
+                    "nonce": nonce, "auth": kv_wire.proof(self.secret, challenge["nonce"], "sender")})))
                 await writer.drain()
-                length = kv_wire.unpack_length(await reader.readexactly(kv_wire.LENGTH_PREFIX_BYTES))
-                reply = orjson.loads(await reader.readexactly(length))
+                reply = await read_message(reader)
+                if not reply.get("ok"):
+                    raise IncompatiblePeer(f"decoder {host}:{port} refused: {reply.get('reason')}")
+                kv_wire.check_proof(self.secret, nonce, "receiver", reply.get("auth"))
         except TimeoutError as exc:
             raise DeadlineExceeded(f"KV connect to {host}:{port} took over {self.connect_timeout_s}s") from exc
         except (OSError, asyncio.IncompleteReadError) as exc:
             raise PeerGone(f"KV connect to {host}:{port} failed: {exc}") from exc
-        if not reply.get("ok"):
-            writer.close()
-            raise IncompatiblePeer(f"decoder {host}:{port} refused: {reply.get('reason')}")
+        except PddError:
+            if writer is not None:
+                writer.close()
+            raise
         return KVConnection(reader, writer)
 
     def drop(self, host: str, port: int) -> None:

@@ -1,7 +1,9 @@
 """KV wire format: the connection handshake and the binary frame that carries KV bytes.
 
-A connection opens with HELLO (length-prefixed JSON) from the sender and a WELCOME or REFUSE
-from the receiver; after that, frames only. A frame is a fixed header (see FRAME_HEADER) and
+A connection opens with a CHALLENGE (length-prefixed JSON with a nonce) from the receiver, a
+HELLO from the sender (its model layout, its own nonce, and, when a shared secret is set, an
+HMAC of the receiver's nonce), and a WELCOME (with an HMAC of the sender's nonce: the
+authentication is mutual) or a REFUSE from the receiver; after that, frames only. A frame is a fixed header (see FRAME_HEADER) and
 a payload of `payload_len` bytes holding K and V for a layer range and a token range, laid
 out as [layers, 2 (K, V), kv_heads, tokens, head_dim] in the frame's dtype. This module only
 packs and checks bytes; it owns no sockets.
@@ -9,6 +11,9 @@ packs and checks bytes; it owns no sockets.
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
+import secrets
 import struct
 import uuid
 import zlib
@@ -21,7 +26,7 @@ from shared.errors import IncompatiblePeer, ProtocolError
 from shared.models import KVLayout
 
 MAGIC = b"PDKV"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_HELLO_BYTES = 64 * 1024
 MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
 
@@ -135,6 +140,28 @@ def unpack_length(prefix: bytes) -> int:
 
 
 LENGTH_PREFIX_BYTES = _LENGTH.size
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(16)
+
+
+def challenge(nonce: str) -> dict:
+    return {"magic": MAGIC.decode(), "version": PROTOCOL_VERSION, "nonce": nonce}
+
+
+def proof(secret: bytes | None, nonce: str, role: str) -> str | None:
+    """HMAC-SHA256 over a peer's nonce; `role` keeps the two directions' proofs distinct."""
+    if secret is None:
+        return None
+    return hmac.new(secret, f"{role}:{nonce}".encode(), hashlib.sha256).hexdigest()
+
+
+def check_proof(secret: bytes | None, nonce: str, role: str, got: object) -> None:
+    """Raise ProtocolError unless `got` proves knowledge of the secret (no secret: nothing to check)."""
+    expected = proof(secret, nonce, role)
+    if expected is not None and not (isinstance(got, str) and hmac.compare_digest(expected, got)):
+        raise ProtocolError("KV peer failed authentication")
 
 
 def hello(layout: KVLayout, wire_dtype: torch.dtype, extra: dict | None = None) -> dict:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shared import kv_wire
-from shared.errors import DeadlineExceeded, IncompatiblePeer, RequestAborted
+from shared.errors import DeadlineExceeded, IncompatiblePeer, ProtocolError, RequestAborted
 from shared.kv_transfer import KVReceiver, KVSender, OutgoingTransfer, TransferState
 from shared.messages import KVTarget
 from shared.models import KVLayout
@@ -173,3 +173,27 @@ async def test_a_stalled_transfer_fails_on_both_sides_within_the_stall_deadline(
     assert loop.time() - t0 < 5
     half.abort("test over")
     await good.close()
+
+
+async def test_kv_peers_authenticate_each_other_with_a_shared_secret() -> None:
+    secured = KVReceiver(LAYOUT, torch.float32, secret=b"s3cret")
+    port = await secured.start("127.0.0.1", 0)
+    try:
+        good = KVSender(LAYOUT, torch.float32, 2.0, secret=b"s3cret")
+        rid = _rid()
+        inbox = secured.expect(rid, 0, 4)
+        await (await _send(good, port, rid, torch.randn(4, 2, 2, 4, 16), 4)).finish(4)
+        assert (await inbox.wait(5)).shape[3] == 4
+        await good.close()
+        for secret in (b"wrong", None):
+            with pytest.raises(IncompatiblePeer, match="authentication"):
+                await KVSender(LAYOUT, torch.float32, 2.0, secret=secret).connection("127.0.0.1", port)
+        assert secured.refused_connections == 2
+    finally:
+        await secured.stop()
+
+
+async def test_a_sender_with_a_secret_refuses_an_unauthenticated_receiver(receiver: KVReceiver) -> None:
+    sender = KVSender(LAYOUT, torch.float32, 2.0, secret=b"s3cret")
+    with pytest.raises(ProtocolError, match="authentication"):
+        await sender.connection("127.0.0.1", receiver.port)

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import web
 
+from services.gateway.admission import Overloaded, Unauthorized
 from services.gateway.request_parsing import ModelNotFound, PayloadTooLarge
 from shared.errors import BadRequest, DeadlineExceeded, PddError, PeerGone
 
@@ -20,6 +21,10 @@ def error_payload(exc: BaseException) -> tuple[int, Json]:
     """HTTP status and OpenAI-style error body for an exception (also sent as an SSE event mid-stream)."""
     if isinstance(exc, ModelNotFound):
         status = 404
+    elif isinstance(exc, Unauthorized):
+        status = 401
+    elif isinstance(exc, Overloaded):
+        status = 429
     elif isinstance(exc, (PayloadTooLarge, web.HTTPRequestEntityTooLarge)):
         status = 413
     elif isinstance(exc, BadRequest):
@@ -45,7 +50,7 @@ def error_payload(exc: BaseException) -> tuple[int, Json]:
 
 def error_response(exc: BaseException) -> web.Response:
     status, body = error_payload(exc)
-    headers = {"Retry-After": "1"} if status == 503 else {}
+    headers = {"Retry-After": "1"} if status in (429, 503) else {}
     if isinstance(exc, web.HTTPException) and "Allow" in exc.headers:
         headers["Allow"] = exc.headers["Allow"]
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json", headers=headers)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import orjson
 from aiohttp import web
 
+from services.gateway.admission import Admission
 from services.gateway.detokenizer import OutputText
 from services.gateway.http_errors import error_payload
 from services.gateway.request_parsing import (ParsedRequest, PayloadTooLarge, decode_json_body, parse_chat_request,
@@ -218,8 +219,9 @@ class OpenAIHandlers:
     """aiohttp handlers for /v1/chat/completions, /v1/completions and /v1/models."""
 
     def __init__(self, dispatcher: Dispatcher, tokenizer: PreTrainedTokenizerBase, served_model: str,
-                 config: GatewayConfig, max_context_tokens: int) -> None:
+                 config: GatewayConfig, max_context_tokens: int, admission: Admission | None = None) -> None:
         self._dispatcher = dispatcher
+        self._admission = admission or Admission(0, None)
         self._tokenizer = tokenizer
         self._served_model = served_model
         self._config = config
@@ -234,18 +236,21 @@ class OpenAIHandlers:
         ]
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        self._admission.check_key(request)
         body = await self._read_json(request)
         parsed = parse_chat_request(body, self._tokenizer, self._served_model, self._config,
                                     self._max_context_tokens)
         return await self._serve(request, parsed)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        self._admission.check_key(request)
         body = await self._read_json(request)
         parsed = parse_completion_request(body, self._tokenizer, self._served_model, self._config,
                                           self._max_context_tokens)
         return await self._serve(request, parsed)
 
     async def models(self, request: web.Request) -> web.Response:
+        self._admission.check_key(request)
         model = {"id": self._served_model, "object": "model", "created": self._created, "owned_by": "pdd",
                  "max_model_len": self._max_context_tokens}
         return _json_response({"object": "list", "data": [model]})
@@ -257,6 +262,10 @@ class OpenAIHandlers:
         return decode_json_body(await request.read(), limit)
 
     async def _serve(self, request: web.Request, parsed: ParsedRequest) -> web.StreamResponse:
+        with self._admission.slot():
+            return await self._serve_admitted(request, parsed)
+
+    async def _serve_admitted(self, request: web.Request, parsed: ParsedRequest) -> web.StreamResponse:
         request_id = f"req-{uuid.uuid4().hex}"
         run = await self._dispatcher.start(GenerationRequest(
             request_id=request_id, prompt_ids=list(parsed.prompt_ids), sampling=parsed.sampling,

@@ -11,10 +11,11 @@ from aiohttp import web
 from nats.aio.msg import Msg
 
 from shared import bus, messages, subjects
-from shared.config import GatewayConfig
+from shared.config import GatewayConfig, read_secret
 from shared.errors import PddError
 from shared.messages import CacheEvents, Heartbeat
 from shared.models import load_tokenizer, max_context_tokens, resolve_model, served_model_name
+from services.gateway.admission import Admission
 from services.gateway.cache_index import MainCacheIndex
 from services.gateway.dispatcher import Dispatcher
 from services.gateway.http_errors import error_middleware
@@ -41,8 +42,10 @@ class GatewayService:
         await self.nc.subscribe(subjects.heartbeat_all(), cb=self._on_heartbeat)
         await self.nc.subscribe(subjects.cache_events_all(), cb=self._on_cache_events)
         self.dispatcher = Dispatcher(self.nc, self.registry, self.config, self.cache_index)
+        api_key = read_secret(self.config.api_key_file)
+        self.admission = Admission(self.config.max_running_requests, api_key.decode() if api_key else None)
         handlers = OpenAIHandlers(self.dispatcher, self.tokenizer, self.served_model, self.config,
-                                  self.max_context_tokens)
+                                  self.max_context_tokens, self.admission)
         app = web.Application(middlewares=[error_middleware], client_max_size=self.config.max_body_bytes)
         app.add_routes([*handlers.routes(), web.get("/healthz", self._healthz)])
         self.runner = web.AppRunner(app, shutdown_timeout=5.0)

@@ -13,7 +13,7 @@ import torch
 from nats.aio.msg import Msg
 
 from shared import bus, messages, subjects, tracing
-from shared.config import PrefillConfig
+from shared.config import PrefillConfig, read_secret
 from shared.engine import EngineThread
 from shared.errors import PddError
 from shared.kv_transfer import KVSender, OutgoingTransfer, TransferState
@@ -39,7 +39,7 @@ class PrefillService:
         self.prefiller = Prefiller(self.runner, config.chunk_tokens)
         self.engine = EngineThread(ROLE, config.model.torch_threads)
         self.sender = KVSender(self.layout, DTYPE_NAMES[config.kv_wire_dtype], config.kv_connect_timeout_s,
-                               config.kv_connections, config.kv_stall_timeout_s)
+                               config.kv_connections, config.kv_stall_timeout_s, read_secret(config.kv_secret_file))
         self.tracer = tracing.tracer("pdd.prefill")
         self.cache = RadixCache(config.cache.tokens, config.cache.kv_bytes) if config.cache.enabled else None
         self.running: dict[str, asyncio.Task] = {}
