@@ -30,6 +30,14 @@ def _add_common(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--heartbeat-s", type=float, default=float(_env("HEARTBEAT_S", "1.0")))
 
 
+def _add_metrics(parser: argparse.ArgumentParser) -> None:
+    """P, RLD and MD serve Prometheus metrics on a port of their own (the gateway on its API port)."""
+    parser.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "0")),
+                        help="serve GET /metrics on this port; 0: off")
+    parser.add_argument("--metrics-host", default=_env("METRICS_HOST", "127.0.0.1"),
+                        help="address the metrics server binds")
+
+
 def _add_model(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=_env("MODEL", "smollm2"),
                         help="'smollm2' (default), 'tiny', or a local Hugging Face checkpoint path")
@@ -90,6 +98,8 @@ class CommonConfig:
     log_level: str
     otlp_endpoint: str
     heartbeat_s: float
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0  # 0: no metrics server (the gateway serves /metrics on its API port)
 
 
 @dataclass(frozen=True)
@@ -101,7 +111,8 @@ class ModelConfig:
 
 
 def _common(ns: argparse.Namespace) -> CommonConfig:
-    return CommonConfig(ns.nats_url, ns.instance_id, ns.log_level, ns.otlp_endpoint, ns.heartbeat_s)
+    return CommonConfig(ns.nats_url, ns.instance_id, ns.log_level, ns.otlp_endpoint, ns.heartbeat_s,
+                        getattr(ns, "metrics_host", "127.0.0.1"), getattr(ns, "metrics_port", 0))
 
 
 def _model(ns: argparse.Namespace) -> ModelConfig:
@@ -125,6 +136,7 @@ class PrefillConfig:
     def parser(cls) -> argparse.ArgumentParser:
         p = argparse.ArgumentParser(prog="python -m services.prefill", description="pdd Prefill (P)")
         _add_common(p, "prefill")
+        _add_metrics(p)
         _add_model(p)
         _add_cache(p, "P's prefix cache")
         _add_kv_stall(p)
@@ -167,6 +179,7 @@ class DecoderConfig:
         title = {"relay": "Relay Decode (RLD)", "main": "Main Decode (MD)"}[role]
         p = argparse.ArgumentParser(prog=f"python -m services.{role}", description=f"pdd {title}")
         _add_common(p, role)
+        _add_metrics(p)
         _add_model(p)
         if role == "main":
             _add_cache(p, "MD's Decode-side RadixCache (DRC)")
@@ -217,6 +230,9 @@ class GatewayConfig:
     route_load_penalty_tokens: int = 256
     max_running_requests: int = 0
     api_key_file: str = ""
+    failure_policy: str = "recover"
+    trace_store_traces: int = 500
+    otlp_forward_endpoint: str = ""
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
@@ -252,6 +268,10 @@ class GatewayConfig:
                        help="requests in flight before new ones get 429 with Retry-After (0: no limit)")
         p.add_argument("--api-key-file", default=_env("API_KEY_FILE", ""),
                        help="file holding the API key clients must send as a Bearer token; empty: open")
+        p.add_argument("--trace-store-traces", type=int, default=int(_env("TRACE_STORE_TRACES", "500")),
+                       help="the gateway's OTLP receiver (POST /v1/traces) keeps this many recent traces")
+        p.add_argument("--otlp-forward-endpoint", default=_env("OTLP_FORWARD_ENDPOINT", ""),
+                       help="also forward every OTLP/HTTP batch the gateway receives to this endpoint")
         return p
 
     @classmethod
@@ -261,4 +281,5 @@ class GatewayConfig:
                    ns.token_timeout_s, ns.max_body_bytes, ns.default_max_tokens, ns.ttft_slo_ms / 1000.0,
                    ns.ttft_budget_fraction, ns.skip_wan_max_tokens, ns.wan_mbps_guess,
                    ns.prefill_tokens_per_s_guess, ns.decode_step_s_guess, ns.route_load_penalty_tokens,
-                   ns.max_running_requests, ns.api_key_file)
+                   ns.max_running_requests, ns.api_key_file,
+                   trace_store_traces=ns.trace_store_traces, otlp_forward_endpoint=ns.otlp_forward_endpoint)

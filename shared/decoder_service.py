@@ -48,6 +48,7 @@ class DecodeRequest:
     decoding_done: bool = False  # set once the last token is out; an abort then no longer cancels
     remembered: bool = False  # its KV is in the DRC already
     main_progress: asyncio.Event = field(default_factory=asyncio.Event)  # RLD: a KVReady came
+    main_lost: bool = False  # RLD: the gateway says MD is gone; finish alone
     handoffs: asyncio.Queue = field(default_factory=asyncio.Queue)  # MD: Handoff messages from RLD
     task: asyncio.Task | None = None
 
@@ -94,6 +95,10 @@ class DecoderService:
     async def subscribe_role(self) -> None:
         """Subscriptions only this role has."""
 
+    def role_stats(self) -> dict[str, float]:
+        """Gauges only this role has, for its heartbeat."""
+        return {}
+
     async def stop(self) -> None:
         await self.nc.drain()
         tasks = [*self._tasks, *(r.task for r in self.requests.values() if r.task)]
@@ -106,7 +111,7 @@ class DecoderService:
     def _describe(self) -> Heartbeat:
         stats = {"open_inboxes": len(self.receiver.inboxes), "kv_connections": self.receiver.open_connections,
                  "kv_refused_connections": self.receiver.refused_connections,
-                 "frames_dropped": self.receiver.frames_dropped,
+                 "frames_dropped": self.receiver.frames_dropped, **self.role_stats(),
                  **(self.prefix_cache.gauges() if self.prefix_cache is not None else {})}
         return Heartbeat(self.role, self.instance_id, self.config.advertise_host, self.advertise_port,
                          self.layout.model_id, len(self.requests), 0, now(), {}, stats)

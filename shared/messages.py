@@ -181,6 +181,15 @@ class RequestFailed:
     tier: str
     code: str
     message: str
+    path: str = ""  # P: the KV path that failed ("relay" or "main")
+
+
+@dataclass(frozen=True)
+class MainLost:
+    """Gateway to RLD: MD is gone before the cut; finish the request alone (P-RLD, counted)."""
+
+    request_id: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -201,7 +210,7 @@ MESSAGE_TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
         Heartbeat, DecodeAssign, DecodeAccepted, PrefillRequest, PrefillAccepted, PrefillDone,
-        KVReady, Handoff, TokenChunk, KVReceived, HandoffStats, CacheEvents, RequestFailed, Abort, ErrorReply,
+        KVReady, Handoff, TokenChunk, KVReceived, HandoffStats, CacheEvents, RequestFailed, MainLost, Abort, ErrorReply,
     )
 }
 

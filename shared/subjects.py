@@ -32,6 +32,11 @@ def kv_ready(relay_instance_id: str) -> str:
     return f"{PREFIX}.relay.{relay_instance_id}.kv_ready"
 
 
+def main_lost(relay_instance_id: str) -> str:
+    """The gateway tells RLD that MD is gone: finish alone (MainLost)."""
+    return f"{PREFIX}.relay.{relay_instance_id}.main_lost"
+
+
 def handoff(main_instance_id: str) -> str:
     """RLD hands the eager token IDs to MD, or says it finished first (Handoff)."""
     return f"{PREFIX}.main.{main_instance_id}.handoff"

@@ -68,3 +68,18 @@ def test_index_mirrors_the_main_cache_from_its_events() -> None:
     for _ in range(5):  # push everything out
         cache.insert([rng.randrange(1000) for _ in range(100)], torch.zeros(1, 2, 1, 100, 4))
     assert index.hit_tokens("md-1", base) == 0
+
+
+def test_recovery_paths_follow_the_failure_policy() -> None:
+    from services.gateway.recovery import Action, RunState, on_tier_lost
+
+    before_cut = RunState("p-rld-md", cut_done=False, recovered=False, policy="recover")
+    assert on_tier_lost(before_cut, "main") is Action.FINISH_ON_RELAY
+    assert on_tier_lost(before_cut, "relay") is Action.MAIN_TAKES_OVER
+    assert on_tier_lost(before_cut, "prefill") is Action.FAIL
+    after_cut = RunState("p-rld-md", cut_done=True, recovered=False, policy="recover")
+    assert on_tier_lost(after_cut, "relay") is Action.IGNORE
+    assert on_tier_lost(after_cut, "main") is Action.FAIL
+    assert on_tier_lost(RunState("p-md", False, False, "recover"), "main") is Action.FAIL
+    assert on_tier_lost(RunState("p-rld-md", False, False, "fail"), "main") is Action.FAIL
+    assert on_tier_lost(RunState("p-rld-md", False, True, "recover"), "relay") is Action.FAIL, "one recovery only"

@@ -20,16 +20,19 @@ from nats.aio.msg import Msg
 from shared import bus, messages, subjects, tracing
 from shared.config import GatewayConfig
 from shared.errors import DeadlineExceeded, PddError, PeerGone, ProtocolError
-from shared.messages import (Abort, DecodeAccepted, DecodeAssign, HandoffStats, KVReceived, KVTarget, PrefillAccepted,
+from shared.messages import (Abort, DecodeAccepted, DecodeAssign, Handoff, HandoffStats, KVReceived, KVTarget, MainLost,
+                             PrefillAccepted,
                              PrefillDone, PrefillRequest, RequestFailed, TokenChunk)
 from shared.sampling import SamplingParams
 from services.gateway.cache_index import MainCacheIndex
+from services.gateway.recovery import Action, RunState, on_tier_lost
 from services.gateway.policy import LinkEstimate, PipelineDecision, PolicyConfig, choose_pipeline
 from services.gateway.registry import Instance, InstanceRegistry
 
 log = logging.getLogger(__name__)
 
 ASSIGN_TIMEOUT_S = 5.0
+WATCHDOG_S = 0.5  # how often a waiting request checks that its instances are still alive
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class GenerationRequest:
     handoff_at: int | None
     md_kv_delay_s: float
     handoff_mode: str | None = None
+    failure_policy: str | None = None  # "fail" | "recover" | None: the gateway's --failure-policy
 
 
 @dataclass(frozen=True)
@@ -58,8 +62,16 @@ class RequestRun:
     """One request in flight: its event subscription, merge state and outcome."""
 
     def __init__(self, nc: NATS, req: GenerationRequest, pipeline: str, config: GatewayConfig,
-                 telemetry: Telemetry | None = None, on_close: Callable[[RequestRun], None] | None = None) -> None:
+                 telemetry: Telemetry | None = None, on_close: Callable[[RequestRun], None] | None = None,
+                 is_alive: Callable[[str], bool] | None = None) -> None:
         self.nc = nc
+        self.is_alive = is_alive
+        self.failure_policy = req.failure_policy or config.failure_policy
+        self.token_ids: list[int] = []  # what the client has, in order
+        self.cut_done = False
+        self.lost: set[str] = set()
+        self.recovered = False
+        self.recovery: str | None = None
         self._on_close = on_close
         self.telemetry = telemetry
         self.decision: PipelineDecision | None = None
@@ -90,28 +102,34 @@ class RequestRun:
             log.warning("%s: dropped a malformed event: %s", self.request_id, exc)
 
     async def tokens(self) -> AsyncIterator[TokenEvent]:
-        """Tokens in index order, each once; raises the failure of any tier."""
+        """Tokens in index order, each once; raises the failure of any tier it cannot recover from."""
         pending: dict[int, TokenEvent] = {}
-        next_index = 0
         deadline = self.started_at + self.config.request_timeout_s
+        last_event_at = time.monotonic()
         while not self.finished:
-            timeout = min(self.config.token_timeout_s, deadline - time.monotonic())
+            now = time.monotonic()
+            if now - last_event_at >= self.config.token_timeout_s or now >= deadline:
+                raise DeadlineExceeded(f"{self.request_id}: no token for {now - last_event_at:.1f}s")
             try:
-                async with asyncio.timeout(max(0.0, timeout)):
+                async with asyncio.timeout(min(WATCHDOG_S, deadline - now)):
                     event = await self._events.get()
-            except TimeoutError as exc:
-                raise DeadlineExceeded(f"{self.request_id}: no token for {timeout:.1f}s") from exc
+            except TimeoutError:
+                await self._check_instances()
+                continue
+            last_event_at = time.monotonic()
             if isinstance(event, TokenChunk):
+                if event.tier == "main":
+                    self.cut_done = True
                 for offset, token in enumerate(event.token_ids):
                     index = event.start + offset
                     last = offset == len(event.token_ids) - 1
-                    if index >= next_index and index not in pending:
+                    if index >= len(self.token_ids) and index not in pending:
                         pending[index] = TokenEvent(index, token, event.tier, event.finish_reason if last else None)
-                while next_index in pending:
+                while len(self.token_ids) in pending:
                     if self.first_token_at is None:
                         self.first_token_at = time.monotonic()
-                    token_event = pending.pop(next_index)
-                    next_index += 1
+                    token_event = pending.pop(len(self.token_ids))
+                    self.token_ids.append(token_event.token_id)
                     if token_event.finish_reason is not None:
                         self.finished = True
                     yield token_event
@@ -121,12 +139,38 @@ class RequestRun:
                 self.kv_received[event.tier] = event
             elif isinstance(event, HandoffStats):
                 self.handoff = event
+                self.cut_done = True
             elif isinstance(event, PrefillDone):
                 self.prefill = event
                 if self.telemetry is not None:
                     self.telemetry.observe_prefill(event)
             elif isinstance(event, RequestFailed):
-                raise _FAILED_BY_CODE.get(event.code, PddError)(f"{event.tier}: {event.message}")
+                await self._on_tier_lost(event.path or event.tier, f"{event.tier}: {event.message}", event.code)
+
+    async def _check_instances(self) -> None:
+        """Notice a tier whose instance stopped sending heartbeats, before any deadline would."""
+        for role, instance_id in self.instances.items():
+            if role not in self.lost and self.is_alive is not None and not self.is_alive(instance_id):
+                await self._on_tier_lost(role, f"{role} instance {instance_id} stopped answering", PeerGone.code)
+
+    async def _on_tier_lost(self, tier: str, message: str, code: str) -> None:
+        if tier in self.lost:
+            return
+        self.lost.add(tier)
+        state = RunState(self.pipeline, self.cut_done, self.recovered, self.failure_policy)
+        action = on_tier_lost(state, tier)
+        log.warning("%s: %s lost (%s): %s", self.request_id, tier, message, action.value)
+        if action is Action.IGNORE:
+            return
+        if action is Action.FAIL:
+            raise _FAILED_BY_CODE.get(code, PddError)(message)
+        self.recovered = True
+        self.recovery = action.value
+        if action is Action.FINISH_ON_RELAY:
+            await bus.publish(self.nc, subjects.main_lost(self.instances["relay"]), MainLost(self.request_id, message))
+        else:  # MD takes over from what the client already has
+            await bus.publish(self.nc, subjects.handoff(self.instances["main"]), Handoff(
+                self.request_id, list(self.token_ids), finished=False, start=0, final=True, mode="recovery"))
 
     def summary(self) -> dict:
         """What the client may want to know of how the request was served (the response's `pdd` field)."""
@@ -137,6 +181,7 @@ class RequestRun:
                           "kv_wait_s": round(kv.kv_wait_s, 6)} for tier, kv in self.kv_received.items()},
             "ttft_s": None if self.first_token_at is None else round(self.first_token_at - self.started_at, 6),
             "instances": dict(self.instances),
+            "recovery": self.recovery,
             "policy": None if self.decision is None else self._policy_summary(),
         }
 
@@ -238,7 +283,8 @@ class Dispatcher:
         pipeline = decision.pipeline
         relay = self.registry.pick("relay") if pipeline in ("p-rld-md", "p-rld") else None
         self.counters[f"pipeline.{pipeline}"] += 1
-        run = RequestRun(self.nc, req, pipeline, self.config, self.telemetry, on_close=self._release)
+        run = RequestRun(self.nc, req, pipeline, self.config, self.telemetry, on_close=self._release,
+                         is_alive=self.registry.is_alive)
         run.decision = decision
         run.instances = {"prefill": prefill.heartbeat.instance_id, "main": main.heartbeat.instance_id,
                          **({"relay": relay.heartbeat.instance_id} if relay else {})}

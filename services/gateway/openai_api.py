@@ -270,7 +270,7 @@ class OpenAIHandlers:
         run = await self._dispatcher.start(GenerationRequest(
             request_id=request_id, prompt_ids=list(parsed.prompt_ids), sampling=parsed.sampling,
             pipeline=parsed.pipeline, handoff_at=parsed.handoff_at, md_kv_delay_s=parsed.md_kv_delay_s,
-            handoff_mode=parsed.handoff_mode))
+            handoff_mode=parsed.handoff_mode, failure_policy=parsed.failure_policy))
         log.info("%s: %s, %d prompt tokens, max_tokens %d, pipeline %s, stream %s", request_id, parsed.kind,
                  len(parsed.prompt_ids), parsed.sampling.max_tokens, run.pipeline, parsed.stream)
         generation = _Generation(run, parsed, self._tokenizer, self._config)

@@ -52,6 +52,11 @@ class InstanceRegistry:
         return [i for i in self._instances.values() if i.heartbeat.role == role and i.last_seen >= cutoff
                 and self._suspect_until.get(i.heartbeat.instance_id, 0.0) <= now]
 
+    def is_alive(self, instance_id: str) -> bool:
+        """Heartbeats still coming (a suspect instance may still be alive)."""
+        instance = self._instances.get(instance_id)
+        return instance is not None and instance.last_seen >= time.monotonic() - self.stale_after_s
+
     def get(self, instance_id: str) -> Instance | None:
         return self._instances.get(instance_id)
 

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 MAX_STOP_STRINGS = 4
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # ints travel to the workers as JSON, which orjson caps at 64 bits
-PDD_EXTENSION_FIELDS = ("pipeline", "handoff_at", "md_kv_delay_ms", "handoff_mode")
+PDD_EXTENSION_FIELDS = ("pipeline", "handoff_at", "md_kv_delay_ms", "handoff_mode", "failure_policy")
+FAILURE_POLICIES = ("recover", "fail")
 HANDOFF_MODES = ("one-shot", "catch-up")
 
 
@@ -56,6 +57,7 @@ class ParsedRequest:
     handoff_at: int | None
     md_kv_delay_s: float
     handoff_mode: str | None = None
+    failure_policy: str | None = None
 
 
 def decode_json_body(raw: bytes, max_body_bytes: int) -> object:
@@ -162,7 +164,7 @@ def _parse_generation(fields: Mapping[str, object], kind: str, prompt_ids: list[
         raise InvalidParam("n", "only n=1 is supported")
     stream = _bool(fields, "stream")
     stream_options = _object(fields, "stream_options")
-    pipeline, handoff_at, md_kv_delay_s, handoff_mode = _pdd_extension(_object(fields, "pdd"))
+    pipeline, handoff_at, md_kv_delay_s, handoff_mode, failure_policy = _pdd_extension(_object(fields, "pdd"))
     seed = _int(fields, "seed", minimum=INT64_MIN)
     top_k = _int(fields, "top_k", minimum=-1)
     temperature = _number(fields, "temperature")
@@ -181,6 +183,7 @@ def _parse_generation(fields: Mapping[str, object], kind: str, prompt_ids: list[
         kind=kind, prompt_ids=tuple(prompt_ids), sampling=sampling, stop=_stop_strings(fields.get("stop")),
         stream=stream, include_usage=stream and _bool(stream_options, "include_usage", "stream_options."),
         pipeline=pipeline, handoff_at=handoff_at, md_kv_delay_s=md_kv_delay_s, handoff_mode=handoff_mode,
+        failure_policy=failure_policy,
     )
 
 
@@ -207,7 +210,7 @@ def _stop_strings(stop: object) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _pdd_extension(ext: Mapping[str, object]) -> tuple[str | None, int | None, float, str | None]:
+def _pdd_extension(ext: Mapping[str, object]) -> tuple[str | None, int | None, float, str | None, str | None]:
     unknown = sorted(set(ext) - set(PDD_EXTENSION_FIELDS))
     if unknown:  # our own knobs: a typo should fail loudly, not run the default silently
         raise InvalidParam("pdd", f"unknown pdd fields {unknown}; known: {list(PDD_EXTENSION_FIELDS)}")
@@ -221,7 +224,11 @@ def _pdd_extension(ext: Mapping[str, object]) -> tuple[str | None, int | None, f
     handoff_mode = ext.get("handoff_mode")
     if handoff_mode is not None and handoff_mode not in HANDOFF_MODES:
         raise InvalidParam("pdd.handoff_mode", f"pdd.handoff_mode must be one of {list(HANDOFF_MODES)}")
-    return (None if pipeline is None else str(pipeline)), handoff_at, (delay_ms or 0.0) / 1000.0, handoff_mode
+    failure_policy = ext.get("failure_policy")
+    if failure_policy is not None and failure_policy not in FAILURE_POLICIES:
+        raise InvalidParam("pdd.failure_policy", f"pdd.failure_policy must be one of {list(FAILURE_POLICIES)}")
+    return ((None if pipeline is None else str(pipeline)), handoff_at, (delay_ms or 0.0) / 1000.0, handoff_mode,
+            failure_policy)
 
 
 def _object(fields: Mapping[str, object], name: str) -> Mapping[str, object]:

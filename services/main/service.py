@@ -83,11 +83,13 @@ class MainService(DecoderService):
                 if handoff.finished:
                     span.set_attribute("pdd.relay_finished", True)
                     return None
-                if handoff.start != len(seq.output_ids):
+                if handoff.start > len(seq.output_ids):
                     raise ProtocolError(f"handoff chunk starts at {handoff.start}, MD holds {len(seq.output_ids)}")
+                # a recovery handoff from the gateway repeats what MD already adopted: skip that part
+                new_ids = handoff.eager_ids[len(seq.output_ids) - handoff.start:]
                 chunks += 1
-                seq.output_ids.extend(handoff.eager_ids)
-                pending += handoff.eager_ids
+                seq.output_ids.extend(new_ids)
+                pending += new_ids
                 if handoff.final:
                     break
                 with self.tracer.start_as_current_span("main.catch_up_chunk") as chunk_span:

@@ -155,7 +155,8 @@ class PrefillService:
             for result in results:
                 if result.state is not TransferState.DONE:
                     await bus.publish(self.nc, events, RequestFailed(
-                        req.request_id, ROLE, "kv_transfer_failed", result.error or "KV transfer failed"))
+                        req.request_id, ROLE, "kv_transfer_failed", result.error or "KV transfer failed",
+                        path=result.target.role))
         except asyncio.CancelledError:
             for transfer in transfers:
                 transfer.abort("cancelled")

@@ -13,7 +13,7 @@ from nats.aio.msg import Msg
 from shared import bus, messages, subjects
 from shared.decoder_service import DecodeRequest, DecoderService
 from shared.errors import DeadlineExceeded, PddError
-from shared.messages import Handoff, KVReady
+from shared.messages import Handoff, KVReady, MainLost
 from shared.model_runner import DecodeSequence
 from services.relay.handoff import HandoffMode, HandoffPlan, Step, choose_mode
 
@@ -22,9 +22,26 @@ log = logging.getLogger(__name__)
 
 class RelayService(DecoderService):
     role = "relay"
+    finished_without_main = 0  # requests RLD finished alone because MD was lost (P-RLD, counted)
 
     async def subscribe_role(self) -> None:
         await self.nc.subscribe(subjects.kv_ready(self.instance_id), cb=self._on_kv_ready)
+        await self.nc.subscribe(subjects.main_lost(self.instance_id), cb=self._on_main_lost)
+
+    def role_stats(self) -> dict[str, float]:
+        return {"finished_without_main": self.finished_without_main}
+
+    async def _on_main_lost(self, msg: Msg) -> None:
+        try:
+            lost = messages.decode_as(msg.data, MainLost)
+        except PddError:
+            return
+        request = self.requests.get(lost.request_id)
+        if request is not None and not request.main_lost:
+            log.warning("%s: MD lost (%s); RLD finishes the request", lost.request_id, lost.reason)
+            request.main_lost = True
+            self.finished_without_main += 1
+            request.main_progress.set()  # wake a wait for MD
 
     async def _on_kv_ready(self, msg: Msg) -> None:
         try:
@@ -49,6 +66,13 @@ class RelayService(DecoderService):
             span.set_attribute("pdd.handoff_mode", plan.mode.value)
             t0 = time.monotonic()
             while True:
+                if request.main_lost:
+                    finish_reason = await self.step(request, seq, feed)
+                    feed = [seq.output_ids[-1]]
+                    if finish_reason is not None:
+                        span.set_attribute("pdd.finished_without_main", True)
+                        break
+                    continue
                 if request.main_progress.is_set():
                     request.main_progress.clear()
                     plan.on_main_progress()
