@@ -86,6 +86,12 @@ async def _serve(stack: LocalStack, stop: asyncio.Event) -> int:
     print(f"pdd: ready. OpenAI API at {stack.api_url}/v1 (health: {stack.api_url}/healthz)", flush=True)
     print(f"pdd: try  curl -N {stack.api_url}/v1/chat/completions -H 'content-type: application/json' "
           "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"stream\": true}'", flush=True)
+    if stack.config.two_dc:
+        c = stack.config
+        rate = f"{c.wan_bandwidth_mbps:g} Mbit/s" if c.wan_bandwidth_mbps else "unlimited"
+        print(f"pdd: two datacenters: MD in B behind the WAN emulator ({rate}, {c.wan_delay_ms:g} ms one way"
+              f"{f', ±{c.wan_jitter_ms:g} ms' if c.wan_jitter_ms else ''}); control API at {stack.wan_control_url} "
+              f"(GET /stats, POST /cut?mode=reset|blackhole, /restore, /link)", flush=True)
     print("pdd: Ctrl-C stops the stack", flush=True)
     await stop.wait()
     return 0
@@ -96,8 +102,11 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def _demo_options(args: argparse.Namespace) -> DemoOptions:
+    md_kv_delay_ms = args.md_kv_delay_ms
+    if md_kv_delay_ms is None and args.topology == "two-dc" and not args.api_url:
+        md_kv_delay_ms = 0.0  # the emulated WAN holds MD's KV back by itself
     return DemoOptions(prompt=args.prompt, max_tokens=args.max_tokens, pipeline=args.pipeline,
-                       md_kv_delay_ms=args.md_kv_delay_ms, temperature=args.temperature)
+                       md_kv_delay_ms=md_kv_delay_ms, temperature=args.temperature)
 
 
 async def _demo_against(api_url: str, model: str | None, options: DemoOptions) -> int:
@@ -152,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=64)
     demo.add_argument("--temperature", type=float, default=0.0)
     demo.add_argument("--md-kv-delay-ms", type=float, default=None,
-                      help="hold back MD's KV path so RLD makes eager tokens first (default: 400 on p-rld-md)")
+                      help="hold back MD's KV path so RLD makes eager tokens first "
+                           "(default: 400 on p-rld-md, 0 with --topology two-dc)")
     demo.add_argument("--api-url", default=None, help="use a running stack (e.g. from `pdd up`) instead")
     demo.set_defaults(func=cmd_demo)
 

@@ -1,8 +1,10 @@
 """Start and stop a local pdd stack (nats-server, P, RLD, MD, gateway) as child processes.
 
 Owns only the processes it starts: each runs in its own session, logs to `<log_dir>/<role>.log`,
-and is stopped in order (gateway, decoders, prefill, then nats-server) with a deadline per stage.
-It never speaks NATS or serves HTTP itself; it only polls the gateway's /healthz.
+and is stopped in order (gateway, decoders, prefill, nats-servers, WAN emulator) with a deadline
+per stage. With `topology="two-dc"` it also starts a second nats-server for datacenter B and the
+WAN emulator between them (see docs/wan.md). It never speaks NATS itself; it polls the gateway's
+/healthz and talks to the emulator's control API.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import ctypes
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -29,16 +32,27 @@ import aiohttp
 from shared.config import DEFAULT_MAX_PAYLOAD_BYTES
 from shared.messages import PIPELINES
 from shared.models import DTYPES, resolve_model
+from shared.wan_emulator import WanStats
 
 log = logging.getLogger(__name__)
 
-NATS = "nats"
+NATS = "nats"  # the only nats-server in one-dc; datacenter A's in two-dc
+NATS_B = "nats-b"  # two-dc: datacenter B's nats-server
+WAN = "wan"  # two-dc: the WAN emulator between the datacenters
 SERVICES = ("prefill", "relay", "main", "gateway")
 MODEL_ROLES = ("prefill", "relay", "main")
-STOP_STAGES: tuple[tuple[str, ...], ...] = (("gateway",), ("relay", "main"), ("prefill",))
+STOP_STAGES: tuple[tuple[str, ...], ...] = (("gateway",), ("relay", "main"), ("prefill",), (NATS, NATS_B), (WAN,))
+TOPOLOGIES = ("one-dc", "two-dc")
+DATACENTER = {"gateway": "a", "prefill": "a", "relay": "a", "main": "b"}  # two-dc placement
+# The emulator's routes in two-dc: P -> MD's KV port, and the NATS gateway link in both directions
+# (a NATS gateway connection carries messages one way only: each server dials the other).
+MD_KV_ROUTE = "md_kv"
+NATS_GW_A_ROUTE = "nats_gw_a"  # dialled by nats-a: A -> B messages
+NATS_GW_B_ROUTE = "nats_gw_b"  # dialled by nats-b: B -> A messages
 LOOPBACK = "127.0.0.1"
 STATE_FILE = "stack.json"
 _POLL_S = 0.05
+_WAN_BANNER = "wan_emulator listening:"
 
 
 class StackError(RuntimeError):
@@ -63,9 +77,19 @@ class StackConfig:
     log_level: str = "INFO"
     torch_threads: int = field(default_factory=default_torch_threads)
     chunk_tokens: int = 256
-    extra_args: Mapping[str, Sequence[str]] = field(default_factory=dict)  # role -> more flags
+    extra_args: Mapping[str, Sequence[str]] = field(default_factory=dict)  # role (or "wan") -> more flags
     startup_timeout_s: float = 180.0
     stop_timeout_s: float = 10.0
+    topology: str = "one-dc"  # "two-dc": MD and its own nats-server in B, behind the WAN emulator
+    wan_bandwidth_mbps: float = 100.0  # two-dc: line rate per direction; 0: unlimited
+    wan_delay_ms: float = 25.0  # two-dc: one-way delay
+    wan_jitter_ms: float = 2.0
+    wan_trace: Path | None = None  # two-dc: bandwidth trace file; overrides wan_bandwidth_mbps
+    wan_control_port: int = 0  # two-dc: the emulator's control API port; 0 picks a free one
+
+    def __post_init__(self) -> None:
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"topology must be one of {TOPOLOGIES}, got {self.topology!r}")
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,6 +110,19 @@ class StackConfig:
         parser.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens,
                             help="prompt tokens per prefill forward pass")
         parser.add_argument("--startup-timeout-s", type=float, default=d.startup_timeout_s)
+        wan = parser.add_argument_group("two datacenters", "--topology two-dc puts MD and a second nats-server "
+                                        "in datacenter B, behind the WAN emulator (docs/wan.md)")
+        wan.add_argument("--topology", default=d.topology, choices=TOPOLOGIES)
+        wan.add_argument("--wan-bandwidth-mbps", type=float, default=d.wan_bandwidth_mbps,
+                         help=f"line rate per direction in Mbit/s; 0: unlimited (default {d.wan_bandwidth_mbps:g})")
+        wan.add_argument("--wan-delay-ms", type=float, default=d.wan_delay_ms,
+                         help=f"one-way delay (default {d.wan_delay_ms:g})")
+        wan.add_argument("--wan-jitter-ms", type=float, default=d.wan_jitter_ms,
+                         help=f"± spread on the one-way delay (default {d.wan_jitter_ms:g})")
+        wan.add_argument("--wan-trace", type=Path, default=None,
+                         help="bandwidth trace (CSV t_s,bps or t_s,mbps; JSON [[t_s,bps],..]), looped")
+        wan.add_argument("--wan-control-port", type=int, default=d.wan_control_port,
+                         help="port of the emulator's control API (GET /stats, POST /cut, /restore, /link); 0: free")
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> StackConfig:
@@ -93,8 +130,14 @@ class StackConfig:
             model=ns.model, dtype=ns.dtype, device=ns.device, nats_url=ns.nats_url, host=ns.host,
             port=ns.port, pipeline=ns.pipeline, log_dir=ns.log_dir, log_level=ns.log_level,
             torch_threads=ns.torch_threads, chunk_tokens=ns.chunk_tokens,
-            startup_timeout_s=ns.startup_timeout_s,
+            startup_timeout_s=ns.startup_timeout_s, topology=ns.topology,
+            wan_bandwidth_mbps=ns.wan_bandwidth_mbps, wan_delay_ms=ns.wan_delay_ms,
+            wan_jitter_ms=ns.wan_jitter_ms, wan_trace=ns.wan_trace, wan_control_port=ns.wan_control_port,
         )
+
+    @property
+    def two_dc(self) -> bool:
+        return self.topology == "two-dc"
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -111,6 +154,16 @@ def _port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+def nats_gateway_conf(dc: str, client_port: int, gateway_port: int, wan_route_into: Mapping[str, int]) -> str:
+    """nats-server config for datacenter `dc` ("a" or "b") of a two-dc stack: its gateway dials the
+    other datacenter through the emulator's route into it, and advertises the route into itself."""
+    other = "b" if dc == "a" else "a"
+    return (f"server_name: nats-{dc}\nlisten: {LOOPBACK}:{client_port}\nmax_payload: {DEFAULT_MAX_PAYLOAD_BYTES}\n"
+            f"gateway {{\n  name: dc-{dc}\n  listen: {LOOPBACK}:{gateway_port}\n"
+            f"  advertise: {LOOPBACK}:{wan_route_into[dc]}\n"
+            f"  gateways: [{{name: dc-{other}, url: \"nats://{LOOPBACK}:{wan_route_into[other]}\"}}]\n}}\n")
 
 
 def find_nats_server() -> Path:
@@ -162,6 +215,38 @@ async def _wait_exited(procs: Sequence[subprocess.Popen[bytes]], timeout_s: floa
     return True
 
 
+class WanControl:
+    """Client of the WAN emulator's control API: read the byte counters, cut, restore, reshape."""
+
+    def __init__(self, url: str, timeout_s: float = 5.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    async def _call(self, method: str, path: str, body: Mapping[str, object] | None = None) -> dict[str, object]:
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as session, \
+                session.request(method, self.url + path, json=body) as resp:
+            reply = await resp.json(content_type=None)
+            if resp.status != 200:
+                raise StackError(f"WAN control {method} {path}: HTTP {resp.status}: {reply}")
+            return reply  # type: ignore[no-any-return]
+
+    async def stats(self) -> WanStats:
+        """Link state and config, and bytes per direction, in total and per route."""
+        return await self._call("GET", "/stats")  # type: ignore[return-value]
+
+    async def cut(self, mode: str = "reset") -> None:
+        """"reset": RST every connection and refuse new ones; "blackhole": nothing moves."""
+        await self._call("POST", f"/cut?mode={mode}")
+
+    async def restore(self) -> None:
+        await self._call("POST", "/restore")
+
+    async def set_link(self, **link: object) -> dict[str, object]:
+        """Change the line live: bandwidth_mbps, delay_ms, jitter_ms, or any LinkConfig field."""
+        return await self._call("POST", "/link", link)
+
+
 class LocalStack:
     """A pdd stack on this machine: `async with LocalStack(config) as stack: stack.api_url`."""
 
@@ -171,7 +256,11 @@ class LocalStack:
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.log_paths: dict[str, Path] = {}
         self.model_path: Path | None = None
-        self.nats_url: str = config.nats_url or ""
+        self.nats_url: str = config.nats_url or ""  # two-dc: datacenter A's (gateway, P, RLD)
+        self.nats_url_b: str = ""  # two-dc: datacenter B's (MD)
+        self.wan_control_url: str = ""  # two-dc: the emulator's control API
+        self.wan_ports: dict[str, int] = {}  # two-dc: route name -> the emulator's listening port
+        self.md_kv_port: int = 0  # two-dc: the port MD binds (the emulator's md_kv route dials it)
         self.port: int = config.port
         self._argv: dict[str, list[str]] = {}
         self._started_at = 0.0
@@ -186,6 +275,13 @@ class LocalStack:
     @property
     def state_path(self) -> Path:
         return self.log_dir / STATE_FILE
+
+    @property
+    def wan(self) -> WanControl:
+        """The WAN emulator's control API (two-dc only)."""
+        if not self.wan_control_url:
+            raise StackError("this stack has no WAN emulator (topology one-dc, or not started)")
+        return WanControl(self.wan_control_url)
 
     async def __aenter__(self) -> LocalStack:
         await self.start()
@@ -210,7 +306,11 @@ class LocalStack:
             self.port = free_port(self.config.host)
         elif not _port_is_free(self.config.host, self.port):
             raise StackError(f"port {self.port} on {self.config.host} is in use; pass --port 0 for a free one")
-        if not self.config.nats_url:
+        if self.config.two_dc:
+            if self.config.nats_url:
+                raise StackError("--topology two-dc starts its own two nats-servers; drop --nats-url")
+            await self._start_two_datacenters()
+        elif not self.config.nats_url:
             await self._start_nats()
         log.info("resolving model %r", self.config.model)
         try:
@@ -234,15 +334,75 @@ class LocalStack:
         self.nats_url = f"nats://{LOOPBACK}:{port}"
         await self._wait_port(NATS, LOOPBACK, port, timeout_s=10.0)
 
+    async def _start_two_datacenters(self) -> None:
+        """The WAN emulator first (its routes dial their upstreams lazily, per connection), then one
+        nats-server per datacenter, joined by a NATS gateway link that runs through it both ways."""
+        nats_ports = {dc: free_port() for dc in ("a", "b")}
+        gateway_ports = {dc: free_port() for dc in ("a", "b")}
+        self.md_kv_port = free_port()
+        await self._start_wan(gateway_ports)
+        # The emulator's route into each datacenter's gateway port: the other side dials it, and the
+        # server advertises it, so gossip never hands out an address that skips the WAN.
+        into = {"a": self.wan_ports[NATS_GW_B_ROUTE], "b": self.wan_ports[NATS_GW_A_ROUTE]}
+        for dc, role in (("a", NATS), ("b", NATS_B)):
+            conf = self.log_dir / f"nats-{dc}.conf"
+            conf.write_text(nats_gateway_conf(dc, nats_ports[dc], gateway_ports[dc], into))
+            self._argv[role] = [str(find_nats_server()), "-c", str(conf)]
+            self._spawn(role, self._argv[role])
+        self.nats_url = f"nats://{LOOPBACK}:{nats_ports['a']}"
+        self.nats_url_b = f"nats://{LOOPBACK}:{nats_ports['b']}"
+        for dc, role in (("a", NATS), ("b", NATS_B)):
+            await self._wait_port(role, LOOPBACK, nats_ports[dc], timeout_s=10.0)
+
+    async def _start_wan(self, gateway_ports: Mapping[str, int]) -> None:
+        c = self.config
+        routes = [f"{MD_KV_ROUTE}={LOOPBACK}:0->{LOOPBACK}:{self.md_kv_port}",
+                  f"{NATS_GW_A_ROUTE}={LOOPBACK}:0->{LOOPBACK}:{gateway_ports['b']}",
+                  f"{NATS_GW_B_ROUTE}@b={LOOPBACK}:0->{LOOPBACK}:{gateway_ports['a']}"]
+        argv = [sys.executable, "-m", "shared.wan_main", *(a for r in routes for a in ("--route", r)),
+                "--bandwidth-mbps", str(c.wan_bandwidth_mbps), "--delay-ms", str(c.wan_delay_ms),
+                "--jitter-ms", str(c.wan_jitter_ms), "--control-host", LOOPBACK,
+                "--control-port", str(c.wan_control_port), "--log-level", c.log_level]
+        if c.wan_trace is not None:
+            argv += ["--trace", str(Path(c.wan_trace).resolve())]
+        self._argv[WAN] = argv + list(c.extra_args.get(WAN, ()))
+        self._spawn(WAN, self._argv[WAN])
+        await self._wait_wan_banner(timeout_s=20.0)
+
+    async def _wait_wan_banner(self, timeout_s: float) -> None:
+        """The emulator prints its listening ports once every route and its control API are up."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._check_alive()
+            banner = next((line for line in log_tail(self.log_paths[WAN], 20_000).splitlines()
+                           if line.startswith(_WAN_BANNER)), None)
+            if banner is not None:
+                break
+            if time.monotonic() >= deadline:
+                raise StackError(f"the WAN emulator did not start within {timeout_s:.0f} s; "
+                                 f"tail of {self.log_paths[WAN]}:\n{log_tail(self.log_paths[WAN])}")
+            await asyncio.sleep(_POLL_S)
+        self.wan_ports = {name: int(port) for name, port in re.findall(r"(\w+)(?:@b)?=[^\s=]+:(\d+)->", banner)}
+        control = re.search(r"control=(http://\S+)", banner)
+        if control is None or set(self.wan_ports) != {MD_KV_ROUTE, NATS_GW_A_ROUTE, NATS_GW_B_ROUTE}:
+            raise StackError(f"unexpected WAN emulator banner: {banner!r}")
+        self.wan_control_url = control.group(1)
+
+    def _nats_url_for(self, role: str) -> str:
+        return self.nats_url_b if self.config.two_dc and DATACENTER[role] == "b" else self.nats_url
+
     def _service_argv(self, role: str) -> list[str]:
         c = self.config
-        argv = [sys.executable, "-m", f"services.{role}", "--nats-url", self.nats_url,
+        argv = [sys.executable, "-m", f"services.{role}", "--nats-url", self._nats_url_for(role),
                 "--log-level", c.log_level, "--model", str(self.model_path)]
         if role in MODEL_ROLES:
             argv += ["--dtype", c.dtype, "--device", c.device, "--torch-threads", str(c.torch_threads)]
         if role == "prefill":
             argv += ["--chunk-tokens", str(c.chunk_tokens)]
-        if role in ("relay", "main"):
+        if role == "main" and c.two_dc:  # P dials the emulator's route, which dials MD's own port
+            argv += ["--kv-host", LOOPBACK, "--kv-port", str(self.md_kv_port),
+                     "--advertise-host", LOOPBACK, "--advertise-port", str(self.wan_ports[MD_KV_ROUTE])]
+        elif role in ("relay", "main"):
             argv += ["--kv-host", LOOPBACK, "--kv-port", "0"]
         if role == "gateway":
             argv += ["--host", c.host, "--port", str(self.port), "--pipeline", c.pipeline]
@@ -255,7 +415,7 @@ class LocalStack:
         return env
 
     def _spawn(self, role: str, argv: list[str], *, append: bool = False) -> subprocess.Popen[bytes]:
-        path = self.log_dir / ("nats-server.log" if role == NATS else f"{role}.log")
+        path = self.log_dir / self._log_name(role)
         with path.open("ab" if append else "wb") as log_file:
             if append:
                 log_file.write(f"\n--- restarted by the launcher at {time.ctime()} ---\n".encode())
@@ -269,6 +429,13 @@ class LocalStack:
         self.log_paths[role] = path
         log.info("started %s (pid %d), log %s", role, proc.pid, path)
         return proc
+
+    def _log_name(self, role: str) -> str:
+        if role == NATS:
+            return "nats-server-a.log" if self.config.two_dc else "nats-server.log"
+        if role == NATS_B:
+            return "nats-server-b.log"
+        return f"{role}.log"
 
     def _check_alive(self) -> None:
         for role, proc in self.processes.items():
@@ -312,21 +479,30 @@ class LocalStack:
                 await asyncio.sleep(0.25)
 
     def _write_state(self) -> None:
-        state = {"api_url": self.api_url, "nats_url": self.nats_url, "model": str(self.model_path),
-                 "launcher_pid": os.getpid(), "pids": {r: p.pid for r, p in self.processes.items()}}
+        state: dict[str, object] = {
+            "api_url": self.api_url, "nats_url": self.nats_url, "model": str(self.model_path),
+            "topology": self.config.topology, "launcher_pid": os.getpid(),
+            "pids": {r: p.pid for r, p in self.processes.items()}}
+        if self.config.two_dc:
+            state.update(nats_url_b=self.nats_url_b, wan_control_url=self.wan_control_url, wan_ports=self.wan_ports)
         self.state_path.write_text(json.dumps(state, indent=2) + "\n")
 
     def kill(self, role: str, sig: int = signal.SIGKILL) -> None:
         """Send `sig` to one role's process group (fault tests); `restart` brings it back."""
         _signal_group(self.processes[role], sig)
 
-    async def restart(self, role: str) -> subprocess.Popen[bytes]:
-        """Kill `role` if it still runs, then start it again with the same flags (log appended)."""
+    async def restart(self, role: str, extra_args: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+        """Kill `role` if it still runs, then start it again with the same flags (log appended).
+
+        `extra_args` are appended to its flags from now on (the last of a repeated flag wins), so
+        a test can change one role's setting without a new stack.
+        """
         proc = self.processes[role]
         if proc.poll() is None:
             self.kill(role, signal.SIGKILL)
             if not await _wait_exited([proc], self.config.stop_timeout_s):
                 raise StackError(f"{role} (pid {proc.pid}) survived SIGKILL")
+        self._argv[role] = [*self._argv[role], *extra_args]
         new = self._spawn(role, self._argv[role], append=True)
         self._write_state()
         return new
@@ -348,7 +524,7 @@ class LocalStack:
             self._stopped = True
             began = time.monotonic()
             killed: list[str] = []
-            for stage in (*STOP_STAGES, (NATS,)):
+            for stage in STOP_STAGES:
                 roles = [r for r in stage if r in self.processes]
                 killed += await self._stop_stage(roles)
             codes = ", ".join(f"{r} {p.returncode}" for r, p in self.processes.items())
