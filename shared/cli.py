@@ -18,6 +18,7 @@ from typing import TypeVar
 from shared.demo import DEFAULT_PROMPT, DemoError, DemoOptions, TierPainter, run_demo
 from shared.launcher import LocalStack, StackConfig, StackError
 from shared.models import resolve_model, served_model_name
+from shared.bench.cli import add_bench_parser
 
 log = logging.getLogger("pdd")
 T = TypeVar("T")
@@ -165,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default: 400 on p-rld-md, 0 with --topology two-dc)")
     demo.add_argument("--api-url", default=None, help="use a running stack (e.g. from `pdd up`) instead")
     demo.set_defaults(func=cmd_demo)
+
+    add_bench_parser(commands)
 
     model = commands.add_parser("model", help="model checkpoints")
     model_commands = model.add_subparsers(dest="model_command", required=True, metavar="COMMAND")

@@ -72,6 +72,29 @@ def _add_cache(parser: argparse.ArgumentParser, what: str) -> None:
                         help=f"{what}: capacity in bytes of KV")
 
 
+def _add_engine(parser: argparse.ArgumentParser, kv_budget: bool) -> None:
+    parser.add_argument("--max-batch-tokens", type=int, default=int(_env("MAX_BATCH_TOKENS", "512")),
+                        help="tokens in one batched forward (decode steps, extend and prefill chunks together)")
+    if kv_budget:
+        parser.add_argument("--kv-budget-tokens", type=int, default=int(_env("KV_BUDGET_TOKENS", "65536")),
+                            help="KV positions running requests may reserve together; new requests wait when "
+                                 "full (0: no limit)")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The batch engine (shared/batch_engine.py)."""
+
+    max_batch_tokens: int = 512  # tokens in one forward; longer work is split across steps
+    kv_budget_tokens: int = 0  # KV positions all admitted requests may reserve together; 0: no limit
+    gather_s: float = 0.005  # after a step, how long to wait for the requests it served to come back
+    torch_threads: int = 0
+
+
+def _engine(ns: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(ns.max_batch_tokens, getattr(ns, "kv_budget_tokens", 0), torch_threads=ns.torch_threads)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     tokens: int
@@ -131,6 +154,7 @@ class PrefillConfig:
     kv_wire_dtype: str
     kv_stall_timeout_s: float
     kv_secret_file: str = ""
+    engine: EngineConfig = EngineConfig()
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
@@ -142,20 +166,23 @@ class PrefillConfig:
         _add_kv_stall(p)
         p.add_argument("--chunk-tokens", type=int, default=int(_env("CHUNK_TOKENS", "256")),
                        help="prompt tokens computed per forward pass; KV streams out per chunk")
-        p.add_argument("--kv-queue-chunks", type=int, default=int(_env("KV_QUEUE_CHUNKS", "4")),
-                       help="chunks buffered per KV path before P waits for the link (backpressure)")
+        p.add_argument("--kv-queue-chunks", type=int, default=int(_env("KV_QUEUE_CHUNKS", "0")),
+                       help="chunks queued per KV path before P's compute waits for that link; 0 (default): "
+                            "the whole prompt, which P holds anyway, so a slow WAN path never delays RLD's")
         p.add_argument("--kv-connect-timeout-s", type=float, default=float(_env("KV_CONNECT_TIMEOUT_S", "5")))
         p.add_argument("--kv-connections", type=int, default=int(_env("KV_CONNECTIONS", "1")),
                        help="parallel TCP connections per decoder; frames of a chunk spread across them")
         p.add_argument("--kv-wire-dtype", default=_env("KV_WIRE_DTYPE", ""), choices=("", "float32", "bfloat16", "float16"),
                        help="dtype of KV on the wire (default: the model's); the receiver converts")
+        _add_engine(p, kv_budget=False)
         return p
 
     @classmethod
     def from_argv(cls, argv: list[str] | None = None) -> PrefillConfig:
         ns = cls.parser().parse_args(argv)
         return cls(_common(ns), _model(ns), CacheConfig(ns.cache_tokens, ns.cache_bytes), ns.chunk_tokens, ns.kv_queue_chunks, ns.kv_connect_timeout_s,
-                   ns.kv_connections, ns.kv_wire_dtype or ns.dtype, ns.kv_stall_timeout_s, ns.kv_secret_file)
+                   ns.kv_connections, ns.kv_wire_dtype or ns.dtype, ns.kv_stall_timeout_s, ns.kv_secret_file,
+                   _engine(ns))
 
 
 @dataclass(frozen=True)
@@ -173,6 +200,7 @@ class DecoderConfig:
     kv_stall_timeout_s: float
     handoff: HandoffConfig  # RLD only
     kv_secret_file: str = ""
+    engine: EngineConfig = EngineConfig()
 
     @classmethod
     def parser(cls, role: str) -> argparse.ArgumentParser:
@@ -197,6 +225,7 @@ class DecoderConfig:
                        help="address P should dial; defaults to --kv-host (or the hostname for 0.0.0.0)")
         p.add_argument("--advertise-port", type=int, default=int(_env("ADVERTISE_PORT", "0")),
                        help="port P should dial, when a proxy (e.g. the WAN emulator) stands in front; 0: --kv-port")
+        _add_engine(p, kv_budget=True)
         return p
 
     @classmethod
@@ -207,7 +236,7 @@ class DecoderConfig:
         handoff = (HandoffConfig(ns.handoff_mode, ns.catch_up_threshold, ns.catch_up_max_running)
                    if role == "relay" else HandoffConfig("one-shot", 0, 0))
         return cls(_common(ns), _model(ns), role, cache, ns.kv_host, ns.kv_port, advertise, ns.advertise_port,
-                   ns.kv_stall_timeout_s, handoff, ns.kv_secret_file)
+                   ns.kv_stall_timeout_s, handoff, ns.kv_secret_file, _engine(ns))
 
 
 @dataclass(frozen=True)

@@ -401,7 +401,10 @@ class OutgoingTransfer(_StateMachine):
         self.deadline_s = deadline_s
         self.kv_bytes = 0
         self.error: str | None = None
-        self._queue: asyncio.Queue = asyncio.Queue(maxsize=max(1, queue_chunks))
+        # 0: unbounded. P holds every chunk of the prompt anyway (for its prefix cache), so the
+        # queue adds no memory; a bound would make the slowest path (the WAN) stall P's compute
+        # and with it the fast path to RLD.
+        self._queue: asyncio.Queue = asyncio.Queue(maxsize=max(0, queue_chunks))
         self._started = time.monotonic()
         self._task = asyncio.create_task(self._pump(), name=f"kv-send-{request_id}-{target.role}")
 

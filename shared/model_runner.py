@@ -1,28 +1,63 @@
-"""Tensors in, tokens out: forward passes over a Hugging Face causal LM with a per-request cache.
+"""Tensors in, tokens out: packed forward passes over a Hugging Face causal LM.
 
-Everything here is blocking and runs on the engine thread. KV moves in and out as one tensor
-of shape [layers, 2 (K, V), kv_heads, tokens, head_dim], the layout of the KV wire format.
+Everything here is blocking and runs on the engine thread. A request's KV lives in one
+`SequenceKV` tensor laid out like the KV wire format, [layers, 2 (K, V), kv_heads, tokens,
+head_dim]. One forward packs the new tokens of many requests into a single row; transformers'
+own model code runs unchanged, and only attention, plugged in through `AttentionInterface`,
+knows where each request's KV lives.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
-from transformers import DynamicCache
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward, use_gqa_in_sdpa
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from shared.sampling import SamplingParams, sample_token
+
+ATTENTION = "pdd_packed"
+
+
+class SequenceKV:
+    """One request's KV: `data` [layers, 2, kv_heads, capacity, head_dim], positions [0, length) filled."""
+
+    def __init__(self, data: torch.Tensor, length: int = 0) -> None:
+        self.data = data
+        self.length = length
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[3]
+
+    def slice(self, start: int, end: int) -> torch.Tensor:
+        """A copy of positions [start, end) as [layers, 2, kv_heads, tokens, head_dim]."""
+        return self.data[:, :, :, start:end].clone()
 
 
 @dataclass
 class DecodeSequence:
-    """One request's state on a decoder: its cache and the output tokens it knows so far."""
+    """One request's state on a decoder: its KV and the output tokens it knows so far."""
 
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams
-    cache: DynamicCache
     max_context_tokens: int
+    kv: SequenceKV | None = None  # set by the engine when the request is admitted
     output_ids: list[int] = field(default_factory=list)
+
+    @property
+    def kv_tokens_needed(self) -> int:
+        """The most KV positions this request can ever hold: every fed token, the last output never."""
+        longest = min(len(self.prompt_ids) + self.sampling.max_tokens, self.max_context_tokens)
+        return max(len(self.prompt_ids), longest - 1)
+
+    def accept(self, token: int) -> str | None:
+        self.output_ids.append(token)
+        return self.finish_reason()
 
     def finish_reason(self) -> str | None:
         if self.output_ids and self.sampling.is_stop(self.output_ids[-1]):
@@ -34,6 +69,68 @@ class DecodeSequence:
         return None
 
 
+@dataclass
+class PackedRow:
+    """One request's part of a packed forward: tokens appended at positions kv.length onwards."""
+
+    kv: SequenceKV
+    token_ids: list[int]
+    want_logits: bool
+
+
+@dataclass
+class _Pack:
+    """Per-forward layout handed to the attention function through the model's kwargs."""
+
+    rows: list[PackedRow]
+    offsets: list[int]  # where each row's tokens start in the packed sequence
+    masks: list[torch.Tensor | None]  # [1, 1, t, past + t] causal mask for rows of several tokens
+
+
+def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     pdd_pack: _Pack | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """query [1, heads, T, d] and new key/value [1, kv_heads, T, d] for T packed tokens.
+
+    Each row's new K/V go into its own SequenceKV, and each row attends over its own KV only,
+    with the very call (shapes, mask, kernel) transformers' sdpa path makes for one request alone,
+    so batching changes only the matmuls outside attention.
+    """
+    if pdd_pack is None:  # an ordinary forward (a DynamicCache, generate): plain sdpa
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    layer = module.layer_idx
+    gqa = getattr(module, "num_key_value_groups", 1) > 1
+    direct = not gqa or use_gqa_in_sdpa(None, key, value)
+    outputs = []
+    for row, start, mask in zip(pdd_pack.rows, pdd_pack.offsets, pdd_pack.masks):
+        past, n = row.kv.length, len(row.token_ids)
+        cache = row.kv.data[layer]
+        cache[0, :, past:past + n] = key[0, :, start:start + n]
+        cache[1, :, past:past + n] = value[0, :, start:start + n]
+        q, k, v = query[:, :, start:start + n], cache[0, :, :past + n].unsqueeze(0), cache[1, :, :past + n].unsqueeze(0)
+        if n == 1 and direct:
+            # the very call sdpa_attention_forward makes for one query token and no mask, minus its
+            # per-call checks, which cost more than the attention itself at decode sizes on a CPU
+            out = F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=gqa).transpose(1, 2)
+        else:
+            out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=scaling)
+        outputs.append(out)
+    return torch.cat(outputs, dim=1), None
+
+
+AttentionInterface.register(ATTENTION, packed_attention)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # ordinary forwards get sdpa's masks
+
+
+def _causal_mask(past: int, n: int, device: torch.device) -> torch.Tensor | None:
+    """As transformers masks one request: none for one token or a fresh prompt (sdpa's is_causal)."""
+    if n == 1 or past == 0:
+        return None
+    allowed = torch.arange(past + n, device=device)[None, :] <= torch.arange(past, past + n, device=device)[:, None]
+    return allowed.view(1, 1, n, past + n)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -41,36 +138,62 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.max_context_tokens = int(getattr(model.config, "max_position_embeddings", 2048))
+        self.num_layers = model.config.num_hidden_layers
+        self.kv_heads = model.config.num_key_value_heads or model.config.num_attention_heads
+        self.head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+        model.set_attn_implementation(ATTENTION)
 
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.config)
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.num_layers * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
 
-    def cache_from_kv(self, kv: torch.Tensor) -> DynamicCache:
-        """A fresh cache holding kv [layers, 2, kv_heads, tokens, head_dim] as positions 0..tokens-1."""
-        cache = self.new_cache()
-        kv = kv.to(device=self.device, dtype=self.dtype)
-        for layer in range(kv.shape[0]):
-            cache.update(kv[layer, 0].unsqueeze(0), kv[layer, 1].unsqueeze(0), layer)
-        return cache
-
-    @staticmethod
-    def kv_slice(cache: DynamicCache, start: int, end: int) -> torch.Tensor:
-        """Positions [start, end) of every layer as [layers, 2, kv_heads, tokens, head_dim]."""
-        return torch.stack([
-            torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end]))
-            for layer in cache.layers
-        ])
+    def new_kv(self, capacity: int, parts: Sequence[torch.Tensor] = ()) -> SequenceKV:
+        """Room for `capacity` positions, starting with parts [layers, 2, kv_heads, tokens, head_dim] in order."""
+        data = torch.empty((self.num_layers, 2, self.kv_heads, capacity, self.head_dim), dtype=self.dtype,
+                           device=self.device)
+        kv = SequenceKV(data)
+        for part in parts:
+            n = part.shape[3]
+            if kv.length + n > capacity:
+                raise ValueError(f"{kv.length + n} KV positions do not fit a capacity of {capacity}")
+            data[:, :, :, kv.length:kv.length + n] = part
+            kv.length += n
+        return kv
 
     @torch.inference_mode()
-    def forward(self, cache: DynamicCache, token_ids: list[int]) -> torch.Tensor:
-        """Append token_ids to the cache; return the logits after the last one, shape [vocab]."""
-        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1]
+    def forward_packed(self, rows: list[PackedRow]) -> torch.Tensor:
+        """Append each row's tokens to its KV in one forward; logits [rows wanting them, vocab], in row order."""
+        ids: list[int] = []
+        positions: list[int] = []
+        offsets: list[int] = []
+        masks: list[torch.Tensor | None] = []
+        keep: list[int] = []
+        for row in rows:
+            n = len(row.token_ids)
+            if row.kv.length + n > row.kv.capacity:
+                raise ValueError(f"KV holds {row.kv.length} of {row.kv.capacity} positions; {n} more do not fit")
+            offsets.append(len(ids))
+            ids += row.token_ids
+            positions += range(row.kv.length, row.kv.length + n)
+            masks.append(_causal_mask(row.kv.length, n, self.device))
+            if row.want_logits:
+                keep.append(len(ids) - 1)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
+        no_mask = torch.zeros((1, 1, 0, 0), dtype=torch.bool, device=self.device)  # 4D: transformers skips masking
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=no_mask, use_cache=False,
+                         logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
+                         pdd_pack=_Pack(rows, offsets, masks))
+        for row in rows:
+            row.kv.length += len(row.token_ids)
+        return out.logits[0]
+
+    def forward(self, kv: SequenceKV, token_ids: list[int]) -> torch.Tensor:
+        """One request alone: append token_ids; the logits after the last one, shape [vocab]."""
+        return self.forward_packed([PackedRow(kv, token_ids, True)])[0]
 
     def decode_step(self, seq: DecodeSequence, feed_ids: list[int]) -> tuple[int, str | None]:
-        """Feed the tokens the cache lacks (one, or several after a handoff); sample the next one."""
-        logits = self.forward(seq.cache, feed_ids)
+        """One request alone: feed the tokens its KV lacks; sample the next one."""
+        logits = self.forward(seq.kv, feed_ids)
         token = sample_token(logits, seq.sampling, len(seq.output_ids))
-        seq.output_ids.append(token)
-        return token, seq.finish_reason()
+        return token, seq.accept(token)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from opentelemetry import context, propagate, trace
+from opentelemetry.trace import Status, StatusCode
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
@@ -39,3 +40,31 @@ def inject() -> dict[str, str]:
 
 def extract(carrier: Mapping[str, str] | None) -> context.Context:
     return propagate.extract(dict(carrier or {}))
+
+
+def current_trace_id() -> str:
+    """The current trace's id as 32 hex digits; empty outside a trace."""
+    span_context = trace.get_current_span().get_span_context()
+    return format(span_context.trace_id, "032x") if span_context.is_valid else ""
+
+
+def record_error(span: trace.Span, exc: BaseException) -> None:
+    """An error that was handled (so no `with` block saw it escape): keep it on the span."""
+    span.record_exception(exc)
+    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+
+
+def mark_aborted(span: trace.Span, reason: str) -> None:
+    """The gateway's Abort reached this request while it still ran. "finished" is the normal end
+    (e.g. RLD completed before MD's KV arrived), not an error."""
+    span.add_event("abort", {"pdd.reason": reason})
+    span.set_attribute("pdd.aborted", reason)
+    if reason != "finished":
+        span.set_status(Status(StatusCode.ERROR, f"aborted: {reason}"))
+
+
+def record_span(tracer_: trace.Tracer, name: str, start_ns: int, end_ns: int,
+                attributes: Mapping[str, object] | None = None) -> None:
+    """A span for an interval measured after the fact (a wait in a queue), under the current span."""
+    span = tracer_.start_span(name, start_time=start_ns, attributes=dict(attributes or {}))
+    span.end(end_time=max(start_ns, end_ns))

@@ -46,6 +46,7 @@ async def complete(session, stack, prompt_ids, max_tokens, **pdd):
 
 
 async def healthy(session, stack) -> None:
+    await asyncio.sleep(1.2)  # a killed instance's heartbeats go stale first (3.5 x 0.25 s)
     async with asyncio.timeout(60):
         while True:
             async with session.get(stack.api_url + "/healthz") as resp:

@@ -93,6 +93,7 @@ async def test_main_hit_shorter_than_prefill_hit(stack, session, tiny_generate):
 
 async def test_multi_turn_session_sends_only_each_turns_new_tokens_to_main(stack, session, tiny_generate):
     history = random_prompt(5, 200)
+    previous_len = 0
     for turn in range(4):
         result = await complete(session, stack, history, 12)
         assert result.token_ids == tiny_generate(history, 12)

@@ -14,13 +14,15 @@ from aiohttp import web
 from services.gateway.trace_store import TraceStore
 
 Json = dict[str, object]
+SpanJson = dict  # one span as trace_store.span_json builds it
 PAGE = Path(__file__).parent / "static" / "dashboard.html"
 ROOT_SPAN = "gateway.request"
+TIER_ORDER = {"gateway": 0, "prefill": 1, "relay": 2, "main": 3}  # the request's path, top to bottom
 DEFAULT_LIST_LIMIT = 50
 MAX_LIST_LIMIT = 500
 
 
-def _tier(span: Json) -> str:
+def _tier(span: SpanJson) -> str:
     return str(span.get("service", "")).removeprefix("pdd-")
 
 
@@ -28,11 +30,10 @@ def _mb(n: object) -> str:
     return f"{float(n) / 1e6:.2f} MB" if isinstance(n, (int, float)) else "?"
 
 
-def detail(span: Json) -> str:
+def detail(span: SpanJson) -> str:
     """The one line a waterfall row shows beside its bar."""
     a = span["attributes"]
     name = span["name"]
-    assert isinstance(a, dict)
     if name == ROOT_SPAN:
         tokens = f"{a.get('pdd.completion_tokens', '?')} tokens"
         return f"{a.get('http.route', '')} {a.get('pdd.pipeline', '')} · {tokens} · HTTP {a.get('http.response.status_code', '?')}"
@@ -65,27 +66,29 @@ def detail(span: Json) -> str:
         return f"{a.get('pdd.tokens')} tokens"
     if name == "gateway.dispatch":
         return f"{a.get('pdd.pipeline')}"
+    if name in ("relay.request", "main.request"):
+        cached = a.get("pdd.cached_tokens") or 0
+        plural = "s" if cached != 1 else ""
+        return f"{span.get('instance') or ''}" + (f", {cached} prompt token{plural} from the DRC" if cached else "")
     return ""
 
 
-def _root(spans: list[Json]) -> Json | None:
+def _root(spans: list[SpanJson]) -> SpanJson | None:
     roots = [s for s in spans if s["name"] == ROOT_SPAN] or [s for s in spans if not s["parent_span_id"]]
     return roots[0] if roots else None
 
 
-def tier_tokens(spans: list[Json]) -> dict[str, int]:
+def tier_tokens(spans: list[SpanJson]) -> dict[str, int]:
     """Output tokens each decoder made: the gateway's count when it is there, else the decoders' own."""
     root = _root(spans)
     if root is not None and root["name"] == ROOT_SPAN:
         a = root["attributes"]
-        assert isinstance(a, dict)
         counted = {tier: int(a[f"pdd.tokens.{tier}"]) for tier in ("relay", "main") if f"pdd.tokens.{tier}" in a}
         if counted:
             return counted
     tokens: dict[str, int] = defaultdict(int)
     for span in spans:
         a = span["attributes"]
-        assert isinstance(a, dict)
         if span["name"] == "relay.eager_decode":
             tokens["relay"] += int(a.get("pdd.eager_tokens", 0))
         elif span["name"] == "main.decode":
@@ -93,19 +96,17 @@ def tier_tokens(spans: list[Json]) -> dict[str, int]:
     return dict(tokens)
 
 
-def trace_summary(trace_id: str, spans: list[Json]) -> Json:
+def trace_summary(trace_id: str, spans: list[SpanJson]) -> Json:
     t0 = min(int(s["start_ns"]) for s in spans)
     t1 = max(int(s["end_ns"]) for s in spans)
     root = _root(spans)
     attrs: Json = {}
     for span in spans:  # the request's identity, wherever a span carries it
         a = span["attributes"]
-        assert isinstance(a, dict)
         for key in ("pdd.request_id", "pdd.pipeline"):
             if key in a and key not in attrs:
                 attrs[key] = a[key]
     root_attrs = root["attributes"] if root is not None else {}
-    assert isinstance(root_attrs, dict)
     first_token = next((e for e in (root["events"] if root is not None else []) if e["name"] == "first_token"), None)
     return {
         "trace_id": trace_id, "request_id": attrs.get("pdd.request_id"), "pipeline": attrs.get("pdd.pipeline"),
@@ -118,18 +119,22 @@ def trace_summary(trace_id: str, spans: list[Json]) -> Json:
     }
 
 
-def timeline(trace_id: str, spans: list[Json]) -> Json:
+def _row_order(span: SpanJson) -> tuple[int, int, str]:
+    return TIER_ORDER.get(_tier(span), len(TIER_ORDER)), int(span["start_ns"]), str(span["name"])
+
+
+def timeline(trace_id: str, spans: list[SpanJson]) -> Json:
     """Rows in tree order (each span after its parent, siblings by start), times in ms from the
     trace's first span."""
     t0 = min(int(s["start_ns"]) for s in spans)
     ids = {s["span_id"] for s in spans}
-    children: dict[object, list[Json]] = defaultdict(list)
+    children: dict[object, list[SpanJson]] = defaultdict(list)
     for span in spans:
         parent = span["parent_span_id"] if span["parent_span_id"] in ids else None
         children[parent].append(span)
-    rows: list[Json] = []
+    rows: list[SpanJson] = []
 
-    def visit(span: Json, depth: int) -> None:
+    def visit(span: SpanJson, depth: int) -> None:
         rows.append({
             "span_id": span["span_id"], "parent_span_id": span["parent_span_id"], "name": span["name"],
             "service": span["service"], "tier": _tier(span), "instance": span["instance"], "depth": depth,
@@ -140,10 +145,10 @@ def timeline(trace_id: str, spans: list[Json]) -> Json:
                        for e in span["events"]],
             "links": span["links"],
         })
-        for child in sorted(children.get(span["span_id"], []), key=lambda s: (s["start_ns"], s["name"])):
+        for child in sorted(children.get(span["span_id"], []), key=_row_order):
             visit(child, depth + 1)
 
-    for root in sorted(children[None], key=lambda s: (s["start_ns"], s["name"])):
+    for root in sorted(children[None], key=_row_order):
         visit(root, 0)
     return {"summary": trace_summary(trace_id, spans), "rows": rows}
 

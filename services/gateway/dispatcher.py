@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 from shared import bus, messages, subjects, tracing
 from shared.config import GatewayConfig
 from shared.errors import DeadlineExceeded, PddError, PeerGone, ProtocolError
+from shared.metrics import GatewayMetrics
 from shared.messages import (Abort, DecodeAccepted, DecodeAssign, Handoff, HandoffStats, KVReceived, KVTarget, MainLost,
                              PrefillAccepted,
                              PrefillDone, PrefillRequest, RequestFailed, TokenChunk)
@@ -87,6 +88,7 @@ class RequestRun:
         self.kv_received: dict[str, KVReceived] = {}
         self.first_token_at: float | None = None
         self.started_at = time.monotonic()
+        self.trace_id = tracing.current_trace_id()  # the response names it, to find the trace on /dashboard
         self.finished = False
         self._closed = False
         self._events: asyncio.Queue = asyncio.Queue()
@@ -176,6 +178,7 @@ class RequestRun:
         """What the client may want to know of how the request was served (the response's `pdd` field)."""
         return {
             "pipeline": self.pipeline,
+            "trace_id": self.trace_id,
             "cached_tokens": {"prefill": self.cached_tokens, "main": self.main_cached_tokens},
             "kv": {tier: {"cached_tokens": kv.cached_tokens, "kv_tokens": kv.kv_tokens, "kv_bytes": kv.kv_bytes,
                           "kv_wait_s": round(kv.kv_wait_s, 6)} for tier, kv in self.kv_received.items()},
@@ -226,8 +229,9 @@ class Telemetry:
 
 class Dispatcher:
     def __init__(self, nc: NATS, registry: InstanceRegistry, config: GatewayConfig, cache_index: MainCacheIndex,
-                 counters: Counter[str] | None = None) -> None:
+                 counters: Counter[str] | None = None, metrics: GatewayMetrics | None = None) -> None:
         self.nc = nc
+        self.metrics = metrics or GatewayMetrics()
         self.registry = registry
         self.config = config
         self.cache_index = cache_index
@@ -277,9 +281,11 @@ class Dispatcher:
         return decision
 
     async def _start_once(self, req: GenerationRequest) -> RequestRun:
+        policy_started_ns = time.time_ns()
         prefill = self.registry.pick("prefill")
         main, main_hit = self._choose_main(req.prompt_ids)
         decision = self._decide(req, main, main_hit, prefill)
+        self._record_policy(req, main, prefill, decision, policy_started_ns)
         pipeline = decision.pipeline
         relay = self.registry.pick("relay") if pipeline in ("p-rld-md", "p-rld") else None
         self.counters[f"pipeline.{pipeline}"] += 1
@@ -321,6 +327,25 @@ class Dispatcher:
             await run.close("dispatch failed")
             raise
         return run
+
+    def _record_policy(self, req: GenerationRequest, main: Instance, prefill: Instance, decision: PipelineDecision,
+                       started_ns: int) -> None:
+        """The `gateway.policy` span (the routing and pipeline choice, with what it was based on) and
+        the decision counter."""
+        self.metrics.pipeline_decisions.labels(decision.pipeline, decision.reason).inc()
+        md = main.heartbeat
+        link = prefill.heartbeat.link_bytes_per_s.get(f"{md.kv_host}:{md.kv_port}")
+        tracing.record_span(self.tracer, "gateway.policy", started_ns, time.time_ns(), {
+            "pdd.request_id": req.request_id, "pdd.pipeline": decision.pipeline, "pdd.policy_reason": decision.reason,
+            "pdd.pipeline_requested": req.pipeline or self.config.default_pipeline,
+            "pdd.prompt_tokens": len(req.prompt_ids), "pdd.max_tokens": req.sampling.max_tokens,
+            "pdd.main_hit_predicted": decision.main_hit_tokens, "pdd.wan_bytes_predicted": decision.wan_bytes,
+            "pdd.main_ready_predicted_s": decision.predicted_main_ready_s, "pdd.ttft_budget_s": decision.budget_s,
+            "pdd.main_load": main.load, "pdd.instance.main": md.instance_id,
+            "pdd.instance.prefill": prefill.heartbeat.instance_id,
+            **({"pdd.link_bytes_per_s": link} if link is not None else {}),
+            **({"pdd.prefill_tokens_per_s": self.telemetry.prefill_tokens_per_s}
+               if self.telemetry.prefill_tokens_per_s is not None else {})})
 
     def _release(self, run: RequestRun) -> None:
         for instance_id in run.instances.values():

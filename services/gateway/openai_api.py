@@ -15,15 +15,19 @@ from typing import TYPE_CHECKING
 
 import orjson
 from aiohttp import web
+from opentelemetry import trace
 
 from services.gateway.admission import Admission
 from services.gateway.detokenizer import OutputText
 from services.gateway.http_errors import error_payload
 from services.gateway.request_parsing import (ParsedRequest, PayloadTooLarge, decode_json_body, parse_chat_request,
                                               parse_completion_request)
+from services.gateway.request_telemetry import RequestTelemetry
 from services.gateway.dispatcher import GenerationRequest
+from shared import tracing
 from shared.config import GatewayConfig
 from shared.errors import DeadlineExceeded, PddError, RequestAborted
+from shared.metrics import GatewayMetrics
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -69,6 +73,7 @@ class _Generation:
         self._token_timeout_s = config.token_timeout_s
         self._handoff_reported = False
         self.tokens_by_tier = {"relay": 0, "main": 0}
+        self.token_log: list[tuple[float, str]] = []  # (time.monotonic(), tier) of each token, for metrics
         self.finish_reason: str | None = None
         self.close_reason = "error"  # what run.close() is told; replaced once we know better
 
@@ -78,6 +83,7 @@ class _Generation:
 
     async def next_step(self) -> _Step:
         event = await self._next_event()
+        self.token_log.append((time.monotonic(), event.tier))
         self.tokens_by_tier[event.tier] = self.tokens_by_tier.get(event.tier, 0) + 1
         if event.finish_reason == "stop":
             # A stop token ends the text without showing it, as OpenAI and vLLM do.
@@ -219,8 +225,10 @@ class OpenAIHandlers:
     """aiohttp handlers for /v1/chat/completions, /v1/completions and /v1/models."""
 
     def __init__(self, dispatcher: Dispatcher, tokenizer: PreTrainedTokenizerBase, served_model: str,
-                 config: GatewayConfig, max_context_tokens: int, admission: Admission | None = None) -> None:
+                 config: GatewayConfig, max_context_tokens: int, admission: Admission | None = None,
+                 telemetry: RequestTelemetry | None = None) -> None:
         self._dispatcher = dispatcher
+        self._telemetry = telemetry or RequestTelemetry(GatewayMetrics())
         self._admission = admission or Admission(0, None)
         self._tokenizer = tokenizer
         self._served_model = served_model
@@ -274,6 +282,7 @@ class OpenAIHandlers:
         log.info("%s: %s, %d prompt tokens, max_tokens %d, pipeline %s, stream %s", request_id, parsed.kind,
                  len(parsed.prompt_ids), parsed.sampling.max_tokens, run.pipeline, parsed.stream)
         generation = _Generation(run, parsed, self._tokenizer, self._config)
+        self._telemetry.started(generation)
         shapes = _Shapes(response_id=("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + request_id[4:],
                          created=int(time.time()), model=self._served_model, chat=parsed.kind == "chat",
                          include_usage=parsed.include_usage)
@@ -289,6 +298,7 @@ class OpenAIHandlers:
             log.info("%s: closed (%s), finish %s, %d tokens %s", request_id, generation.close_reason,
                      generation.finish_reason, generation.completion_tokens, generation.tokens_by_tier)
             await generation.close(generation.close_reason)
+            self._telemetry.finished(request, len(parsed.prompt_ids), generation)
 
     def _usage_of(self, parsed: ParsedRequest, generation: _Generation) -> Json:
         return _usage(len(parsed.prompt_ids), generation.completion_tokens, generation.run.cached_tokens)
@@ -336,6 +346,7 @@ class OpenAIHandlers:
                     log.exception("%s: unhandled error while streaming", run.request_id)
                 else:
                     log.warning("%s: failed while streaming: %s: %s", run.request_id, type(exc).__name__, exc)
+                tracing.record_error(trace.get_current_span(), exc)
                 await _send(response, _sse(error_payload(exc)[1]))
             await _send(response, b"data: [DONE]\n\n")
             await response.write_eof()

@@ -9,18 +9,23 @@ import logging
 
 from aiohttp import web
 from nats.aio.msg import Msg
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from shared import bus, messages, subjects
 from shared.config import GatewayConfig, read_secret
 from shared.errors import PddError
 from shared.messages import CacheEvents, Heartbeat
+from shared.metrics import GatewayMetrics
 from shared.models import load_tokenizer, max_context_tokens, resolve_model, served_model_name
 from services.gateway.admission import Admission
 from services.gateway.cache_index import MainCacheIndex
+from services.gateway.dashboard import DashboardHandlers
 from services.gateway.dispatcher import Dispatcher
 from services.gateway.http_errors import error_middleware
 from services.gateway.openai_api import OpenAIHandlers
 from services.gateway.registry import InstanceRegistry
+from services.gateway.request_telemetry import RequestTelemetry, tracing_middleware
+from services.gateway.trace_store import OtlpReceiver, TraceStore
 
 log = logging.getLogger(__name__)
 
@@ -36,18 +41,25 @@ class GatewayService:
         self.max_context_tokens = max_context_tokens(path)
         self.registry = InstanceRegistry(stale_after_s=STALE_HEARTBEATS * config.common.heartbeat_s)
         self.cache_index = MainCacheIndex()
+        self.metrics = GatewayMetrics()
+        for role in ("prefill", "relay", "main"):
+            self.metrics.live_instances.labels(role).set_function(lambda role=role: len(self.registry.alive(role)))
+        self.trace_store = TraceStore(config.trace_store_traces)
+        self.otlp_receiver = OtlpReceiver(self.trace_store, config.otlp_forward_endpoint)
 
     async def start(self) -> None:
         self.nc = await bus.connect(self.config.common.nats_url, self.config.common.instance_id)
         await self.nc.subscribe(subjects.heartbeat_all(), cb=self._on_heartbeat)
         await self.nc.subscribe(subjects.cache_events_all(), cb=self._on_cache_events)
-        self.dispatcher = Dispatcher(self.nc, self.registry, self.config, self.cache_index)
+        self.dispatcher = Dispatcher(self.nc, self.registry, self.config, self.cache_index, metrics=self.metrics)
         api_key = read_secret(self.config.api_key_file)
         self.admission = Admission(self.config.max_running_requests, api_key.decode() if api_key else None)
         handlers = OpenAIHandlers(self.dispatcher, self.tokenizer, self.served_model, self.config,
-                                  self.max_context_tokens, self.admission)
-        app = web.Application(middlewares=[error_middleware], client_max_size=self.config.max_body_bytes)
-        app.add_routes([*handlers.routes(), web.get("/healthz", self._healthz)])
+                                  self.max_context_tokens, self.admission, RequestTelemetry(self.metrics))
+        app = web.Application(middlewares=[error_middleware, tracing_middleware(self.metrics)],
+                              client_max_size=self.config.max_body_bytes)
+        app.add_routes([*handlers.routes(), web.get("/healthz", self._healthz), web.get("/metrics", self._metrics),
+                        *self.otlp_receiver.routes(), *DashboardHandlers(self.trace_store).routes()])
         self.runner = web.AppRunner(app, shutdown_timeout=5.0)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.config.host, self.config.port)
@@ -57,6 +69,7 @@ class GatewayService:
 
     async def stop(self) -> None:
         await self.runner.cleanup()
+        await self.otlp_receiver.close()
         await self.nc.drain()
 
     async def _on_heartbeat(self, msg: Msg) -> None:
@@ -78,3 +91,6 @@ class GatewayService:
         ok = all(counts.values()) and self.nc.is_connected
         return web.json_response({"status": "ok" if ok else "degraded", "instances": counts},
                                  status=200 if ok else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

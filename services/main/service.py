@@ -53,12 +53,20 @@ class MainService(DecoderService):
             feed, stats = taken
         with self.tracer.start_as_current_span("main.decode") as span:
             first = len(seq.output_ids)
+            span.set_attribute("pdd.first_index", first)
             t0 = time.monotonic()
-            finish_reason = await self.forward(seq, feed)
+            if stats is not None:
+                with self.tracer.start_as_current_span("main.extend_decode") as extend_span:
+                    extend_span.set_attributes({"pdd.extend_tokens": len(feed), "pdd.handoff_mode": stats.mode})
+                    finish_reason = await self.forward(seq, feed)
+            else:
+                finish_reason = await self.forward(seq, feed)
             if stats is not None:
                 # the first step after the cut is the extend-decode pass over the last eager tokens;
                 # its stats go out before its token, so the gateway can mark the cut
                 stats = dataclasses.replace(stats, extend_s=time.monotonic() - t0)
+                self.metrics.handoffs.labels(stats.mode).inc()
+                self.metrics.handoff_extend.labels(stats.mode).observe(stats.extend_s)
                 await bus.publish(self.nc, request.events_subject, stats)
             await self.publish_token(request, seq, finish_reason)
             while finish_reason is None:
@@ -94,7 +102,7 @@ class MainService(DecoderService):
                     break
                 with self.tracer.start_as_current_span("main.catch_up_chunk") as chunk_span:
                     chunk_span.set_attributes({"pdd.start": handoff.start, "pdd.tokens": len(handoff.eager_ids)})
-                    await self.engine.run(self.runner.forward, seq.cache, pending[:-1])
+                    await self.extend(seq, pending[:-1])
                 pending = pending[-1:]
                 await self._report_progress(request, len(seq.output_ids))
             span.set_attributes({"pdd.eager_tokens": len(seq.output_ids), "pdd.handoff_mode": handoff.mode,

@@ -6,9 +6,8 @@ itself, so the first output token always comes from the decoder that holds the K
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
-from shared.model_runner import ModelRunner
+from shared.batch_engine import BatchEngine
 
 
 def chunk_ranges(n_tokens: int, chunk_tokens: int, start: int = 0) -> list[tuple[int, int]]:
@@ -26,15 +25,22 @@ def slice_for_target(kv: torch.Tensor, chunk: tuple[int, int], token_start: int)
 
 
 class Prefiller:
-    def __init__(self, runner: ModelRunner, chunk_tokens: int) -> None:
-        self.runner = runner
+    """Prompts' chunks go through the batch engine, so chunks of several prompts share a forward."""
+
+    def __init__(self, engine: BatchEngine, chunk_tokens: int) -> None:
+        self.engine = engine
         self.chunk_tokens = chunk_tokens
 
-    def new_cache(self) -> DynamicCache:
-        return self.runner.new_cache()
+    async def open(self, request_id: str, kv_tokens: int, cached_kv: torch.Tensor | None = None) -> None:
+        """Room for a prompt's KV, starting with the positions P's cache already had."""
+        await self.engine.open(request_id, [cached_kv] if cached_kv is not None else [], kv_tokens)
 
-    def compute_chunk(self, cache: DynamicCache, token_ids: list[int], chunk: tuple[int, int]) -> torch.Tensor:
-        """Run positions [start, end) (the cache holds [0, start)); return their KV."""
+    async def compute_chunk(self, request_id: str, token_ids: list[int],
+                            chunk: tuple[int, int]) -> tuple[torch.Tensor, int, int]:
+        """Run positions [start, end) (the KV holds [0, start)): their KV on the CPU, and when the
+        chunk was submitted and its forward began (time.time_ns)."""
         start, end = chunk
-        self.runner.forward(cache, token_ids[start:end])
-        return self.runner.kv_slice(cache, start, end).to("cpu")
+        return await self.engine.submit_timed(request_id, token_ids[start:end], sample=False, return_kv=True)
+
+    def release(self, request_id: str) -> None:
+        self.engine.release(request_id)

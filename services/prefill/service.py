@@ -11,13 +11,15 @@ import time
 import torch
 
 from nats.aio.msg import Msg
+from opentelemetry import trace
 
 from shared import bus, messages, subjects, tracing
 from shared.config import PrefillConfig, read_secret
-from shared.engine import EngineThread
+from shared.batch_engine import BatchEngine
 from shared.errors import PddError
-from shared.kv_transfer import KVSender, OutgoingTransfer, TransferState
+from shared.kv_transfer import KVSender, OutgoingTransfer, TransferResult, TransferState
 from shared.kv_wire import DTYPE_NAMES
+from shared.metrics import PrefillMetrics, serve as serve_metrics
 from shared.messages import Abort, Heartbeat, PrefillAccepted, PrefillDone, PrefillRequest, RequestFailed
 from shared.model_runner import ModelRunner
 from shared.models import kv_layout, load_model, resolve_model
@@ -36,8 +38,8 @@ class PrefillService:
         path = resolve_model(config.model.model)
         self.layout = kv_layout(path)
         self.runner = ModelRunner(load_model(path, config.model.dtype, config.model.device))
-        self.prefiller = Prefiller(self.runner, config.chunk_tokens)
-        self.engine = EngineThread(ROLE, config.model.torch_threads)
+        self.engine = BatchEngine(self.runner, config.engine, ROLE)  # chunks of many prompts share forwards
+        self.prefiller = Prefiller(self.engine, config.chunk_tokens)
         self.sender = KVSender(self.layout, DTYPE_NAMES[config.kv_wire_dtype], config.kv_connect_timeout_s,
                                config.kv_connections, config.kv_stall_timeout_s, read_secret(config.kv_secret_file))
         self.tracer = tracing.tracer("pdd.prefill")
@@ -50,8 +52,14 @@ class PrefillService:
         self.kv_bytes_per_token = self.layout.num_layers * 2 * self.layout.kv_heads * self.layout.head_dim * wire.itemsize
         self.kv_bytes_saved_by_abort = 0  # KV that never crossed because the request ended first
         self._tasks: set[asyncio.Task] = set()
+        self.metrics = PrefillMetrics()
+        self.metrics.track_load(lambda: len(self.running), lambda: self.engine.queued)
+        self.spans: dict[str, trace.Span] = {}  # request id -> its prefill span, for an abort to mark
+        self._transfer_spans: dict[int, tuple[trace.Span, float]] = {}  # id(transfer) -> (span, started)
 
     async def start(self) -> None:
+        self.metrics_server = serve_metrics(self.metrics.registry, self.config.common.metrics_host,
+                                            self.config.common.metrics_port)
         self.nc = await bus.connect(self.config.common.nats_url, self.instance_id)
         await self.nc.subscribe(subjects.prefill(self.instance_id), cb=self._on_prefill)
         await self.nc.subscribe(subjects.abort(), cb=self._on_abort)
@@ -65,6 +73,8 @@ class PrefillService:
         await asyncio.gather(*self._tasks, *self.running.values(), return_exceptions=True)
         await self.sender.close()
         self.engine.shutdown()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
 
     def _describe(self) -> Heartbeat:
         stats = {"open_transfers": sum(len(t) for t in self.transfers.values()),
@@ -85,6 +95,8 @@ class PrefillService:
             return
         ctx = tracing.extract(msg.headers)
         handle = self.cache.lock(req.prompt_ids[:-1]) if self.cache is not None else None
+        self.metrics.prompt_tokens.inc(len(req.prompt_ids) - 1)
+        self.metrics.cache_hit_tokens.inc(handle.length if handle else 0)
         self.running[req.request_id] = asyncio.create_task(self._run(req, handle, ctx), name=f"prefill-{req.request_id}")
         await msg.respond(messages.encode(PrefillAccepted(req.request_id, self.instance_id,
                                                           handle.length if handle else 0)))
@@ -104,6 +116,9 @@ class PrefillService:
             return
         task = self.running.get(abort.request_id)
         if task is not None:
+            self.metrics.aborts.labels(abort.reason).inc()
+            if abort.request_id in self.spans:
+                tracing.mark_aborted(self.spans[abort.request_id], abort.reason)
             prompt_kv_tokens = self.prompt_kv_tokens.get(abort.request_id, 0)
             for transfer in self.transfers.get(abort.request_id, ()):
                 if not transfer.ended:
@@ -125,27 +140,37 @@ class PrefillService:
             with self.tracer.start_as_current_span("prefill", context=ctx) as span:
                 span.set_attributes({"pdd.request_id": req.request_id, "pdd.prompt_tokens": len(req.prompt_ids),
                                      "pdd.cached_tokens": hit, "pdd.targets": [t.role for t in req.targets]})
+                self.spans[req.request_id] = span
+                for transfer in transfers:
+                    self._start_transfer_span(transfer)
                 t0 = time.monotonic()
                 chunks: list[tuple[tuple[int, int], torch.Tensor]] = []
                 if hit:
                     chunks.append(((0, hit), self.cache.gather(handle)))
                     handle.release()  # the gathered copy is ours; the tree may evict now
-                    cache = await self.engine.run(self.runner.cache_from_kv, chunks[0][1])
+                    await self.prefiller.open(req.request_id, len(kv_ids), chunks[0][1])
                     await self._send(chunks[0], transfers)
                 else:
-                    cache = self.prefiller.new_cache()
+                    await self.prefiller.open(req.request_id, len(kv_ids))
                 for chunk in chunk_ranges(len(kv_ids), self.config.chunk_tokens, start=hit):
                     with self.tracer.start_as_current_span("prefill.chunk") as chunk_span:
                         chunk_span.set_attributes({"pdd.token_start": chunk[0], "pdd.token_end": chunk[1]})
-                        kv = await self.engine.run(self.prefiller.compute_chunk, cache, kv_ids, chunk)
+                        kv, submitted_ns, started_ns = await self.prefiller.compute_chunk(
+                            req.request_id, kv_ids, chunk)
+                        chunk_span.set_attribute("pdd.queue_s", (started_ns - submitted_ns) / 1e9)
+                    if chunk[0] == hit:  # the first chunk's wait for the engine is the request's queueing
+                        tracing.record_span(self.tracer, "prefill.queue", submitted_ns, started_ns,
+                                            {"pdd.engine_queued": self.engine.queued})
                     chunks.append((chunk, kv))
                     await self._send(chunks[-1], transfers)
                 prefill_s = time.monotonic() - t0
-                del cache
+                self.metrics.prefill_time.observe(prefill_s)
+                self.metrics.computed_tokens.inc(len(kv_ids) - hit)
+                self.prefiller.release(req.request_id)
                 if self.cache is not None and len(chunks) > (1 if hit else 0):
                     full_kv = await self.engine.run(_concat_tokens, [kv for _, kv in chunks])
                     self.cache.insert(kv_ids, full_kv)
-                results = await asyncio.gather(*(t.finish(len(kv_ids)) for t in transfers))
+                results = await asyncio.gather(*(self._finish_transfer(t, len(kv_ids)) for t in transfers))
                 for result in results:
                     span.add_event("kv_transfer", {"pdd.role": result.target.role, "pdd.kv_bytes": result.kv_bytes,
                                                    "pdd.send_s": result.send_s, "pdd.state": result.state.value})
@@ -168,11 +193,50 @@ class PrefillService:
             code = exc.code if isinstance(exc, PddError) else "prefill_failed"
             await bus.publish(self.nc, events, RequestFailed(req.request_id, ROLE, code, str(exc)))
         finally:
+            self.prefiller.release(req.request_id)  # idempotent: frees the prompt's KV once on every path
             if handle is not None:
                 handle.release()
+            for transfer in transfers:  # those that ended early: aborted, or the prefill failed
+                self._end_transfer_span(transfer, transfer.state, transfer.error)
+            self.spans.pop(req.request_id, None)
             self.running.pop(req.request_id, None)
             self.transfers.pop(req.request_id, None)
             self.prompt_kv_tokens.pop(req.request_id, None)
+
+    def _start_transfer_span(self, transfer: OutgoingTransfer) -> None:
+        """One span per KV path, child of the prefill span: P's view of the local or WAN transfer."""
+        target = transfer.target
+        span = self.tracer.start_span("prefill.kv_transfer", attributes={
+            "pdd.request_id": transfer.request_id, "pdd.target_role": target.role,
+            "pdd.peer": f"{target.host}:{target.port}", "pdd.token_start": target.token_start,
+            "pdd.delay_s": target.delay_s, "pdd.connections": self.sender.connections_per_peer})
+        self._transfer_spans[id(transfer)] = (span, time.monotonic())
+
+    async def _finish_transfer(self, transfer: OutgoingTransfer, token_end: int) -> TransferResult:
+        result = await transfer.finish(token_end)
+        self._end_transfer_span(transfer, result.state, result.error)
+        return result
+
+    def _end_transfer_span(self, transfer: OutgoingTransfer, state: TransferState, error: str | None) -> None:
+        """Idempotent: the first call ends the span and counts the transfer."""
+        entry = self._transfer_spans.pop(id(transfer), None)
+        if entry is None:
+            return
+        span, started = entry
+        send_s = time.monotonic() - started
+        role = transfer.target.role
+        outcome = state.value if state in (TransferState.DONE, TransferState.FAILED, TransferState.ABORTED) \
+            else "aborted"  # never ended: the prefill itself was cancelled or failed
+        self.metrics.kv_bytes.labels(role).inc(transfer.kv_bytes)
+        self.metrics.kv_transfer_time.labels(role).observe(send_s)
+        self.metrics.kv_transfers.labels(role, outcome).inc()
+        span.set_attributes({"pdd.kv_bytes": transfer.kv_bytes, "pdd.send_s": send_s, "pdd.outcome": outcome,
+                             "pdd.throughput_bytes_per_s": transfer.kv_bytes / send_s if send_s > 0 else 0.0})
+        if outcome == "failed":
+            span.set_status(trace.Status(trace.StatusCode.ERROR, error or "KV transfer failed"))
+        elif outcome == "aborted":
+            tracing.mark_aborted(span, error or "aborted")
+        span.end()
 
 
 def _concat_tokens(kvs: list[torch.Tensor]) -> torch.Tensor:

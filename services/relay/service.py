@@ -96,11 +96,14 @@ class RelayService(DecoderService):
                     break
             span.set_attributes({"pdd.eager_tokens": len(seq.output_ids), "pdd.eager_s": time.monotonic() - t0,
                                  "pdd.handoff_rounds": plan.rounds, "pdd.catch_up_fell_back": plan.fell_back})
+            self.metrics.eager_tokens.observe(len(seq.output_ids))
 
     async def _hand_off(self, request: DecodeRequest, seq: DecodeSequence, decision, plan: HandoffPlan) -> None:
         final = decision.step is Step.CUT
         with self.tracer.start_as_current_span("relay.handoff_chunk") as span:
             span.set_attributes({"pdd.start": decision.start, "pdd.end": decision.end, "pdd.final": final})
+            if final:
+                self.metrics.handoffs.labels("one-shot" if plan.fell_back else plan.mode.value).inc()
             await bus.publish(self.nc, subjects.handoff(request.assign.main_instance), Handoff(
                 request.request_id, seq.output_ids[decision.start:decision.end], finished=False,
                 start=decision.start, final=final, mode="one-shot" if plan.fell_back else plan.mode.value))

@@ -1,0 +1,409 @@
+"""The batch engine: one thread that runs every request's model work in shared forward passes.
+
+Requests join and leave the running batch at every step. A step takes the pending work (decode
+tokens first, then extend and prefill tokens, split to fit `max_batch_tokens`), runs ONE packed
+forward over it and resolves each caller's asyncio future on its own loop. The engine also owns
+the KV: a budget of tokens, admission in arrival order while the budget has room, and exactly one
+free per request. asyncio code never runs a forward; it awaits futures.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from shared.config import EngineConfig
+from shared.errors import BadRequest, PddError
+from shared.model_runner import DecodeSequence, ModelRunner, PackedRow, SequenceKV
+from shared.sampling import sample_token
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+StepResult = tuple[int, "str | None"]
+
+
+class KVBudgetExceeded(BadRequest):
+    """The request needs more KV than the whole budget: it could never be admitted."""
+
+
+class NotAdmitted(PddError):
+    code = "not_admitted"
+
+
+@dataclass
+class _Work:
+    key: str
+    feed_ids: list[int]
+    sample: bool
+    return_kv: bool
+    future: asyncio.Future
+    fed: int = 0  # tokens of feed_ids already in the KV (work split across steps)
+    submitted_ns: int = 0
+    started_ns: int = 0  # when its first forward began
+
+    @property
+    def left(self) -> int:
+        return len(self.feed_ids) - self.fed
+
+
+@dataclass
+class _Admission:
+    key: str
+    parts: Sequence[torch.Tensor]
+    reserve_tokens: int
+    seq: DecodeSequence | None
+    future: asyncio.Future
+
+
+@dataclass
+class _Slot:
+    kv: SequenceKV
+    reserve_tokens: int
+    seq: DecodeSequence | None
+
+
+def _settle(future: asyncio.Future, result: object = None, exc: BaseException | None = None,
+            cancel: bool = False) -> None:
+    if future.done():  # the caller gave up (cancelled): nothing to tell it
+        return
+    if cancel:
+        future.cancel()
+    elif exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+def _notify(future: asyncio.Future, result: object = None, exc: BaseException | None = None,
+            cancel: bool = False) -> None:
+    """Settle a future from the engine thread, on its own loop."""
+    try:
+        future.get_loop().call_soon_threadsafe(_settle, future, result, exc, cancel)
+    except RuntimeError:  # its loop is closed: nobody is waiting any more
+        pass
+
+
+class BatchEngine:
+    def __init__(self, runner: ModelRunner, config: EngineConfig = EngineConfig(), name: str = "engine") -> None:
+        if config.torch_threads > 0:
+            torch.set_num_threads(config.torch_threads)
+        self.runner = runner
+        self.config = config
+        self._cond = threading.Condition()
+        self._incoming: list[_Work] = []  # guarded by _cond
+        self._commands: deque[Callable[[], None]] = deque()  # guarded by _cond
+        self._stopping = False
+        # engine-thread state
+        self._work: list[_Work] = []
+        self._waiting: deque[_Admission] = deque()
+        self._slots: dict[str, _Slot] = {}
+        self._expected: set[str] = set()  # keys served by the last step, likely to submit again
+        self.kv_used_tokens = 0
+        self.steps = 0
+        self.rows = 0  # requests served, summed over steps
+        self.forward_s = 0.0  # time spent in forwards and sampling
+        self.batch_sizes: deque[int] = deque(maxlen=256)  # requests per recent step
+        self.frees = 0
+        self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
+        self._thread.start()
+
+    # ---- asyncio side -------------------------------------------------------------------------
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for KV budget."""
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._slots)
+
+    @property
+    def queued(self) -> int:
+        """Work not yet started: requests waiting for KV budget and steps waiting for a forward."""
+        return len(self._waiting) + len(self._work) + len(self._incoming)
+
+    def stats(self) -> dict[str, int | float]:
+        """For the heartbeat: kv_used_tokens is what admitted requests reserved, kv_filled_tokens what they hold."""
+        steps = self.steps
+        return {"kv_budget_tokens": self.config.kv_budget_tokens, "kv_used_tokens": self.kv_used_tokens,
+                "kv_filled_tokens": self._filled_tokens(), "waiting": self.waiting, "running": self.running,
+                "engine_steps": steps, "mean_batch": round(self.rows / steps, 2) if steps else 0.0,
+                "kv_frees": self.frees}
+
+    def _filled_tokens(self) -> int:
+        while True:
+            try:
+                return sum(slot.kv.length for slot in tuple(self._slots.values()))
+            except RuntimeError:  # the engine thread changed the dict under us: read again
+                continue
+
+    async def open(self, key: str, parts: Sequence[torch.Tensor], reserve_tokens: int,
+                   seq: DecodeSequence | None = None) -> SequenceKV:
+        """Reserve KV for `reserve_tokens` positions (waiting while the budget is full), filled with parts.
+
+        The caller must `release(key)` on every path once this was called, also when it was
+        cancelled while waiting: the release is what frees the KV or withdraws the wait.
+        """
+        budget = self.config.kv_budget_tokens
+        if budget and reserve_tokens > budget:
+            raise KVBudgetExceeded(f"{key} needs {reserve_tokens} KV tokens, more than the budget of {budget}")
+        future = asyncio.get_running_loop().create_future()
+        admission = _Admission(key, parts, reserve_tokens, seq, future)
+        self._command(lambda: self._waiting.append(admission))
+        return await future
+
+    def submit(self, key: str, feed_ids: list[int], sample: bool, return_kv: bool = False) -> asyncio.Future:
+        """Feed tokens to an admitted request's KV in the next steps.
+
+        The future's result: (token, finish_reason) when `sample`, the fed positions' KV
+        [layers, 2, kv_heads, len(feed_ids), head_dim] on the CPU when `return_kv`, else None.
+        """
+        return self._submit(key, feed_ids, sample, return_kv).future
+
+    async def submit_timed(self, key: str, feed_ids: list[int], sample: bool,
+                           return_kv: bool = False) -> tuple[object, int, int]:
+        """As submit: the result, and when it was submitted and its first forward began (time.time_ns)."""
+        work = self._submit(key, feed_ids, sample, return_kv)
+        result = await work.future
+        return result, work.submitted_ns, work.started_ns
+
+    def _submit(self, key: str, feed_ids: list[int], sample: bool, return_kv: bool) -> _Work:
+        if not feed_ids:
+            raise ValueError("nothing to feed")
+        work = _Work(key, list(feed_ids), sample, return_kv, asyncio.get_running_loop().create_future(),
+                     submitted_ns=time.time_ns())
+        with self._cond:
+            self._check_alive()
+            self._incoming.append(work)
+            self._cond.notify()
+        return work
+
+    async def step(self, seq: DecodeSequence, feed_ids: list[int]) -> StepResult:
+        """Feed tokens and sample the next one into seq.output_ids."""
+        return await self.submit(seq.request_id, feed_ids, sample=True)
+
+    async def extend(self, key: str, feed_ids: list[int]) -> None:
+        """Feed tokens without sampling (a Catch-Up chunk, a prefill chunk)."""
+        if feed_ids:
+            await self.submit(key, feed_ids, sample=False)
+
+    def release(self, key: str) -> None:
+        """Free a request's KV, or withdraw its wait for budget; idempotent, safe from any thread."""
+        try:
+            self._command(lambda: self._release(key))
+        except NotAdmitted:  # the engine stopped, and freed everything as it did
+            pass
+
+    async def export(self, key: str, start: int, end: int) -> torch.Tensor:
+        """A copy of positions [start, end) of a request's KV, taken between steps."""
+        return await self.run(self._export, key, start, end)
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        return (await self.run_timed(fn, *args))[0]
+
+    async def run_timed(self, fn: Callable[..., T], *args: object) -> tuple[T, int, int]:
+        """Run fn on the engine thread between steps: its result, when submitted and when started (ns)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        submitted_ns = time.time_ns()
+
+        def call() -> None:
+            started_ns = time.time_ns()
+            try:
+                result, exc = (fn(*args), started_ns), None
+            except Exception as error:
+                result, exc = None, error
+            _notify(future, result, exc)
+
+        self._command(call)
+        value, started_ns = await future
+        return value, submitted_ns, started_ns
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    def _command(self, fn: Callable[[], None]) -> None:
+        with self._cond:
+            self._check_alive()
+            self._commands.append(fn)
+            self._cond.notify()
+
+    def _check_alive(self) -> None:
+        if self._stopping or not self._thread.is_alive():
+            raise NotAdmitted("the engine has stopped")
+
+    # ---- engine thread ------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        if self.config.torch_threads > 0:
+            torch.set_num_threads(self.config.torch_threads)
+        try:
+            while self._gather():
+                self._admit()
+                batch = self._schedule()
+                if batch:
+                    self._run(batch)
+        except Exception:
+            log.exception("engine loop died")
+            raise
+        finally:
+            self._fail_all(NotAdmitted("engine stopped"))
+
+    def _gather(self) -> bool:
+        """Wait for work; after a step, also briefly for the requests it served, so they step together."""
+        deadline = time.monotonic() + self.config.gather_s
+        while True:
+            with self._cond:
+                commands, self._commands = self._commands, deque()
+                self._work += self._incoming
+                self._incoming = []
+                if self._stopping:
+                    return False
+            for command in commands:
+                try:
+                    command()
+                except Exception:  # a command settles its own future; one that fails must not stop the engine
+                    log.exception("engine command failed")
+            if commands:
+                self._admit()
+            have_work = bool(self._work)
+            missing = {key for key in self._expected - {w.key for w in self._work} if key in self._slots}
+            if have_work and not missing:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._expected.clear()
+                if have_work:
+                    return True
+            with self._cond:
+                if not (self._commands or self._incoming or self._stopping):
+                    self._cond.wait(remaining if remaining > 0 else None)
+
+    def _admit(self) -> None:
+        budget = self.config.kv_budget_tokens
+        while self._waiting:
+            admission = self._waiting[0]
+            if budget and self.kv_used_tokens + admission.reserve_tokens > budget:
+                return  # in arrival order: a big request is not overtaken forever by small ones
+            self._waiting.popleft()
+            try:
+                kv = self.runner.new_kv(admission.reserve_tokens, admission.parts)
+            except Exception as exc:
+                _notify(admission.future, exc=exc)
+                continue
+            self._slots[admission.key] = _Slot(kv, admission.reserve_tokens, admission.seq)
+            self.kv_used_tokens += admission.reserve_tokens
+            if admission.seq is not None:
+                admission.seq.kv = kv
+            _notify(admission.future, kv)  # a caller that gave up meanwhile still releases the key
+
+    def _release(self, key: str) -> None:
+        slot = self._slots.pop(key, None)
+        if slot is not None:
+            self.kv_used_tokens -= slot.reserve_tokens
+            self.frees += 1
+            slot.kv.data = torch.empty(0)  # the storage goes now, whoever still holds the SequenceKV
+        withdrawn = [a.future for a in self._waiting if a.key == key] + [w.future for w in self._work if w.key == key]
+        self._waiting = deque(a for a in self._waiting if a.key != key)
+        self._work = [w for w in self._work if w.key != key]
+        for future in withdrawn:
+            _notify(future, cancel=True)
+        self._expected.discard(key)
+        self._admit()
+
+    def _schedule(self) -> list[tuple[_Work, int]]:
+        """Decode tokens first (latency), then longer work in arrival order, split to fit the budget."""
+        for work in self._work:
+            if work.key not in self._slots:
+                work.fed = len(work.feed_ids)  # done with: dropped below
+                _notify(work.future, exc=NotAdmitted(f"{work.key} holds no KV here"))
+        self._work = [w for w in self._work if w.left and not w.future.cancelled()]
+        budget = self.config.max_batch_tokens
+        batch: list[tuple[_Work, int]] = []
+        keys: set[str] = set()
+        for work in sorted(self._work, key=lambda w: w.left > 1):
+            if budget == 0:
+                break
+            if work.key in keys:  # one row per request: its next work waits for the next step
+                continue
+            take = min(work.left, budget)
+            batch.append((work, take))
+            keys.add(work.key)
+            budget -= take
+        return batch
+
+    def _run(self, batch: list[tuple[_Work, int]]) -> None:
+        """One packed forward over the batch; then sample, and settle the work that is complete."""
+        rows = [PackedRow(self._slots[w.key].kv, w.feed_ids[w.fed:w.fed + take], w.sample and take == w.left)
+                for w, take in batch]
+        started_ns = time.time_ns()
+        for work, _ in batch:
+            work.started_ns = work.started_ns or started_ns
+        t0 = time.perf_counter()
+        try:
+            logits = self.runner.forward_packed(rows)
+        except Exception as exc:
+            log.exception("forward over %d requests failed", len(batch))
+            for work, _ in batch:
+                work.fed = len(work.feed_ids)
+                _notify(work.future, exc=exc)
+            self._work = [w for w in self._work if w.left]
+            return
+        self._expected = set()
+        settled: list[tuple[asyncio.Future, object, BaseException | None]] = []
+        row = 0
+        for work, take in batch:
+            work.fed += take
+            if work.left:
+                continue
+            slot = self._slots[work.key]
+            result: object = None
+            exc: BaseException | None = None
+            if work.sample:
+                if slot.seq is None:
+                    exc = NotAdmitted(f"{work.key} has no sampling state")
+                else:
+                    token = sample_token(logits[row], slot.seq.sampling, len(slot.seq.output_ids))
+                    result = (token, slot.seq.accept(token))
+                    if result[1] is None:
+                        self._expected.add(work.key)
+                row += 1
+            elif work.return_kv:
+                result = slot.kv.slice(slot.kv.length - len(work.feed_ids), slot.kv.length).to("cpu")
+            settled.append((work.future, result, exc))
+        self._work = [w for w in self._work if w.left]
+        self.forward_s += time.perf_counter() - t0
+        self.steps += 1
+        self.rows += len(batch)
+        self.batch_sizes.append(len(batch))
+        for future, result, exc in settled:
+            _notify(future, result, exc)
+
+    def _export(self, key: str, start: int, end: int) -> torch.Tensor:
+        slot = self._slots.get(key)
+        if slot is None:
+            raise NotAdmitted(f"{key} holds no KV here")
+        return slot.kv.slice(start, end)
+
+    def _fail_all(self, exc: PddError) -> None:
+        with self._cond:
+            self._stopping = True  # nothing new comes in
+            self._work += self._incoming
+            self._incoming = []
+        pending = [w.future for w in self._work] + [a.future for a in self._waiting]
+        self._work, self._waiting = [], deque()
+        for future in pending:
+            _notify(future, exc=exc)
+        for key in list(self._slots):
+            self._release(key)

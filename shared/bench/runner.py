@@ -1,0 +1,147 @@
+"""Run the benchmark: for each mode, start its stack once, then warm up and replay every workload.
+
+Owns the order (modes x workloads), the stack's life, the WAN counters around each replay and the
+progress bar. Writing results is the caller's (`on_result`), so a run cut short keeps what it did.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import aiohttp
+from tqdm import tqdm
+
+from shared.bench import metrics
+from shared.bench.config import BenchConfig
+from shared.bench.modes import MODES, Mode, pipeline_of, request_fields, stack_config, unavailable_reason
+from shared.bench.replay import Replayer, RequestRecord, warmup_requests
+from shared.bench.workloads import Workload, agentic_workload, mooncake_workload, synthetic_workload
+from shared.launcher import MD_KV_ROUTE, LocalStack, StackConfig
+from shared.models import DTYPES, kv_layout
+
+log = logging.getLogger(__name__)
+Json = dict[str, object]
+
+
+@dataclass
+class RunResult:
+    mode: str
+    workload: Workload
+    records: list[RequestRecord]
+    duration_s: float
+    metrics: Json
+    stack: Json = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.workload.name}__{self.mode}"
+
+
+def plan_workloads(cfg: BenchConfig) -> list[Workload]:
+    n, rate, seed = cfg.load.max_requests, cfg.load.request_rate, cfg.seed
+    plans: list[Workload] = []
+    for kind in cfg.workloads:
+        if kind == "agentic":
+            for h in cfg.hit_rates or (cfg.agentic.hit_rate,):
+                opts = cfg.agentic.__class__(**{**asdict(cfg.agentic), "hit_rate": h})
+                plans.append(agentic_workload(opts, n, rate, seed))
+        elif kind == "mooncake":
+            plans.append(mooncake_workload(cfg.mooncake, n, seed))
+        elif kind == "synthetic":
+            plans.append(synthetic_workload(cfg.synthetic, n, rate, seed))
+        else:
+            raise ValueError(f"unknown workload {kind!r}")
+    return plans
+
+
+def skipped_modes(cfg: BenchConfig) -> dict[str, str]:
+    return {name: reason for name in cfg.modes if (reason := unavailable_reason(name)) is not None}
+
+
+def _kv_bytes_per_token(stack: LocalStack, dtype: str) -> int:
+    assert stack.model_path is not None  # set once the stack started
+    return kv_layout(stack.model_path).bytes_per_token_fp32 * DTYPES[dtype].itemsize // 4
+
+
+async def _wan_kv_bytes(stack: LocalStack, settle_s: float = 0.5, limit_s: float = 10.0) -> int | None:
+    """A->B bytes the emulator delivered on MD's KV route (payload, frame headers, handshakes), once
+    the count stops moving (aborted transfers may still drain); None in one datacenter."""
+    if not stack.config.two_dc:
+        return None
+    deadline = time.monotonic() + limit_s
+    last = -1
+    while True:
+        stats = await stack.wan.stats()
+        now = int(stats["routes"][MD_KV_ROUTE]["a_to_b"]["bytes"])
+        if now == last or time.monotonic() >= deadline:
+            return now
+        last = now
+        await asyncio.sleep(settle_s)
+
+
+def stack_facts(mode: Mode, cfg: BenchConfig, stack_cfg: StackConfig) -> Json:
+    return {"model": cfg.stack.model, "dtype": cfg.stack.dtype, "two_dc": mode.two_dc,
+            "pipeline": pipeline_of(mode), "handoff_mode": mode.handoff_mode, "request_fields": request_fields(mode),
+            "drc": mode.drc, "wan": asdict(cfg.wan) if mode.two_dc else None,
+            "torch_threads": stack_cfg.torch_threads, "chunk_tokens": stack_cfg.chunk_tokens,
+            "extra_args": {r: list(f) for r, f in stack_cfg.extra_args.items()}}
+
+
+async def run_on_stack(stack: LocalStack, mode: Mode, workloads: list[Workload], cfg: BenchConfig,
+                       on_result: Callable[[RunResult], None] = lambda r: None) -> list[RunResult]:
+    """Replay each workload in turn against a running stack configured for `mode`."""
+    bytes_per_token = _kv_bytes_per_token(stack, cfg.stack.dtype)
+    results = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as session:
+        for workload in workloads:
+            result = await _run_workload(stack, session, mode, workload, cfg, bytes_per_token)
+            result.stack = stack_facts(mode, cfg, stack.config)
+            on_result(result)
+            results.append(result)
+    return results
+
+
+async def run_mode(mode: Mode, workloads: list[Workload], cfg: BenchConfig,
+                   on_result: Callable[[RunResult], None] = lambda r: None) -> list[RunResult]:
+    """A fresh stack for the mode (empty caches), every workload on it, then stop it."""
+    began = time.monotonic()
+    async with LocalStack(stack_config(mode, cfg, cfg.stack.log_dir / mode.name)) as stack:
+        log.info("%s: stack up in %.1f s", mode.name, time.monotonic() - began)
+        return await run_on_stack(stack, mode, workloads, cfg, on_result)
+
+
+async def _run_workload(stack: LocalStack, session: aiohttp.ClientSession, mode: Mode, workload: Workload,
+                        cfg: BenchConfig, bytes_per_token: int) -> RunResult:
+    n = min(len(workload.requests), cfg.load.max_requests)
+    bar = tqdm(total=n, desc=f"{mode.name} {workload.name}", unit="req", disable=not cfg.load.progress)
+    replayer = Replayer(session, stack.api_url, request_fields(mode), cfg.load, on_done=lambda rec: bar.update())
+    try:
+        warm = await replayer.warm_up(warmup_requests(workload, cfg.load.warmup_requests))
+        if failed := [r.error for r in warm if not r.ok]:
+            log.warning("%s %s: %d warm-up requests failed, first: %s", mode.name, workload.name,
+                        len(failed), failed[0])
+        before = await _wan_kv_bytes(stack)
+        records, duration_s = await replayer.run(workload.requests)
+        after = await _wan_kv_bytes(stack)
+    finally:
+        bar.close()
+    wan_bytes = after - before if before is not None and after is not None else None
+    summary = metrics.summarize(records, duration_s, slo=cfg.slo, costs=cfg.costs, instances=mode.instances,
+                                kv_bytes_per_token=bytes_per_token, wan_emulator_bytes=wan_bytes)
+    return RunResult(mode.name, workload, records, duration_s, summary)
+
+
+async def run_bench(cfg: BenchConfig, on_result: Callable[[RunResult], None] = lambda r: None) -> list[RunResult]:
+    """Every available mode of cfg.modes over every workload; unavailable modes are left out."""
+    workloads = plan_workloads(cfg)
+    skipped = skipped_modes(cfg)
+    results: list[RunResult] = []
+    for name in cfg.modes:
+        if name in skipped:
+            log.warning("mode %s skipped: %s", name, skipped[name])
+            continue
+        results += await run_mode(MODES[name], workloads, cfg, on_result)
+    return results

@@ -1,0 +1,147 @@
+"""Every Prometheus metric pdd exports, in one place, one class per role.
+
+Each role's metrics live in their own CollectorRegistry, so a service's /metrics shows only its
+own series. The gateway serves its registry on its API port; P, RLD and MD on `--metrics-port`
+(`serve`). Names start with `pdd_`; seconds and bytes are in the names, as Prometheus asks.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               disable_created_metrics, start_http_server)
+
+log = logging.getLogger(__name__)
+disable_created_metrics()  # the *_created series only double every counter; none of our dashboards read them
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_GAP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0)
+# actual minus predicted: negative means MD was ready sooner than the policy thought
+ERROR_BUCKETS_S = (-10.0, -5.0, -2.0, -1.0, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
+TRANSFER_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
+
+
+class _RoleMetrics:
+    """What every service has: its registry, the process' own collector, load gauges, aborts."""
+
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        r = self.registry
+        self.running_requests = Gauge("pdd_running_requests", "Requests held by this service now", registry=r)
+        self.queue_depth = Gauge(
+            "pdd_queue_depth", "Work waiting to start: engine calls queued (P, RLD, MD); requests with no "
+            "token yet (gateway)", registry=r)
+        self.aborts = Counter("pdd_aborts", "Aborts by reason: every one the gateway broadcast; on P, RLD and "
+                              "MD those that found the request still running", ["reason"], registry=r)
+
+    def track_load(self, running: Callable[[], float], queued: Callable[[], float]) -> None:
+        self.running_requests.set_function(running)
+        self.queue_depth.set_function(queued)
+
+
+class GatewayMetrics(_RoleMetrics):
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        super().__init__(registry)
+        r = self.registry
+        self.http_responses = Counter("pdd_http_responses", "API responses by route and HTTP status "
+                                      "(499: the client went away)", ["route", "status"], registry=r)
+        self.requests = Counter("pdd_requests", "Requests dispatched to a pipeline, by how they ended (finished, "
+                                "stop_string, client_disconnected, error, ...)", ["pipeline", "outcome"], registry=r)
+        self.ttft = Histogram("pdd_ttft_seconds", "Time to first token, from the HTTP request to the first token "
+                              "handed to the client", ["pipeline"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.time_per_output_token = Histogram(
+            "pdd_time_per_output_token_seconds", "Per request: (last token - first token) / (tokens - 1)",
+            ["pipeline"], buckets=TOKEN_GAP_BUCKETS_S, registry=r)
+        self.inter_token = Histogram("pdd_inter_token_seconds", "Every gap between two consecutive tokens",
+                                     ["pipeline"], buckets=TOKEN_GAP_BUCKETS_S, registry=r)
+        self.output_tokens = Counter("pdd_output_tokens", "Tokens sent to clients, by the tier that made them",
+                                     ["pipeline", "tier"], registry=r)
+        self.pipeline_decisions = Counter("pdd_pipeline_decisions", "The policy's choice per request",
+                                          ["pipeline", "reason"], registry=r)
+        self.main_ready_error = Histogram(
+            "pdd_policy_main_ready_error_seconds", "MD's KV ready time: actual minus predicted",
+            buckets=ERROR_BUCKETS_S, registry=r)
+        self.handoffs = Counter("pdd_handoffs", "RLD-to-MD handoffs seen by the client, by mode", ["mode"],
+                                registry=r)
+        self.handoff_stall = Histogram(
+            "pdd_handoff_stall_seconds", "The gap a client sees between RLD's last and MD's first token",
+            ["mode"], buckets=TOKEN_GAP_BUCKETS_S, registry=r)
+        self.live_instances = Gauge("pdd_live_instances", "Instances with fresh heartbeats", ["role"], registry=r)
+
+
+class PrefillMetrics(_RoleMetrics):
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        super().__init__(registry)
+        r = self.registry
+        self.prompt_tokens = Counter("pdd_prompt_tokens", "Prompt tokens whose KV was asked for (all but the last)",
+                                     registry=r)
+        self.cache_hit_tokens = Counter("pdd_cache_hit_tokens", "Prompt tokens served from P's prefix cache",
+                                        registry=r)
+        self.computed_tokens = Counter("pdd_prefill_computed_tokens", "Prompt tokens P computed", registry=r)
+        self.prefill_time = Histogram("pdd_prefill_seconds", "P's compute time per request",
+                                      buckets=LATENCY_BUCKETS_S, registry=r)
+        self.kv_bytes = Counter("pdd_kv_transfer_bytes", "KV bytes sent (frame headers included), by target role",
+                                ["target"], registry=r)
+        self.kv_transfer_time = Histogram("pdd_kv_transfer_seconds", "One KV path from start to END frame",
+                                          ["target"], buckets=TRANSFER_BUCKETS_S, registry=r)
+        self.kv_transfers = Counter("pdd_kv_transfers", "KV paths by target role and outcome (done, failed, aborted)",
+                                    ["target", "outcome"], registry=r)
+
+
+class DecoderMetrics(_RoleMetrics):
+    """What RLD and MD share; the scrape target tells them apart."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        super().__init__(registry)
+        r = self.registry
+        self.cache_hit_tokens = Counter("pdd_cache_hit_tokens", "Prompt tokens served from MD's DRC", registry=r)
+        self.kv_received_bytes = Counter("pdd_kv_received_bytes", "KV payload bytes received", registry=r)
+        self.kv_wait = Histogram("pdd_kv_wait_seconds", "From assignment until the request's KV was complete",
+                                 buckets=LATENCY_BUCKETS_S, registry=r)
+        self.output_tokens = Counter("pdd_output_tokens", "Tokens this decoder made and published", registry=r)
+        self.handoffs = Counter("pdd_handoffs", "Handoffs (MD: taken over; RLD: handed over), by mode", ["mode"],
+                                registry=r)
+
+
+class RelayMetrics(DecoderMetrics):
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        super().__init__(registry)
+        self.eager_tokens = Histogram("pdd_eager_tokens", "Tokens RLD made before the cut, per request",
+                                      buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=self.registry)
+
+
+class MainMetrics(DecoderMetrics):
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        super().__init__(registry)
+        self.handoff_extend = Histogram(
+            "pdd_handoff_extend_seconds", "The extend-decode pass after the cut (MD's share of the stall)",
+            ["mode"], buckets=TOKEN_GAP_BUCKETS_S, registry=self.registry)
+
+
+def decoder_metrics(role: str) -> DecoderMetrics:
+    return {"relay": RelayMetrics, "main": MainMetrics}.get(role, DecoderMetrics)()
+
+
+@dataclass
+class MetricsServer:
+    """prometheus-client's own threaded HTTP server for one registry."""
+
+    host: str
+    port: int
+    _server: object
+
+    def close(self) -> None:
+        self._server.shutdown()  # type: ignore[attr-defined]
+        self._server.server_close()  # type: ignore[attr-defined]
+
+
+def serve(registry: CollectorRegistry, host: str, port: int) -> MetricsServer | None:
+    """GET /metrics on host:port in a daemon thread; port 0 means no server."""
+    if port <= 0:
+        return None
+    server, _ = start_http_server(port, host, registry)
+    log.info("metrics on http://%s:%d/metrics", host, server.server_port)
+    return MetricsServer(host, server.server_port, server)

@@ -1,0 +1,271 @@
+"""The batch engine on the tiny model: batched decoding is token-exact against each request's own
+greedy `generate`, extend-decode fits into shared steps, the KV budget queues admissions, and
+every request's KV is freed exactly once."""
+from __future__ import annotations
+
+import asyncio
+import random
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from shared.batch_engine import BatchEngine, KVBudgetExceeded
+from shared.config import EngineConfig
+from shared.model_runner import DecodeSequence, ModelRunner
+from shared.models import load_model
+from shared.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_path) -> ModelRunner:
+    return ModelRunner(load_model(tiny_path, "float32", "cpu"))
+
+
+@pytest.fixture(scope="module")
+def prompts(runner) -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(runner.config.vocab_size) for _ in range(n)] for n in (2, 5, 13, 31, 8, 57, 20, 3)]
+
+
+@contextmanager
+def engine_with(runner: ModelRunner, **config):
+    engine = BatchEngine(runner, EngineConfig(**config), name="test")
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+def prompt_kv(runner: ModelRunner, prompt_ids: list[int]) -> list[torch.Tensor]:
+    """What P would send: the KV of every prompt token but the last, computed alone."""
+    if len(prompt_ids) < 2:
+        return []
+    kv = runner.new_kv(len(prompt_ids) - 1)
+    runner.forward(kv, prompt_ids[:-1])
+    return [kv.slice(0, kv.length)]
+
+
+def sequence(runner: ModelRunner, key: str, prompt_ids: list[int], max_tokens: int) -> DecodeSequence:
+    sampling = SamplingParams(max_tokens=max_tokens, stop_token_ids=(runner.config.eos_token_id,))
+    return DecodeSequence(key, prompt_ids, sampling, runner.max_context_tokens)
+
+
+async def decode(engine: BatchEngine, seq: DecodeSequence, parts: list[torch.Tensor],
+                 eager_ids: list[int] = (), started: asyncio.Event | None = None) -> list[int]:
+    """A decoder's life for one request: admission, (extend-)decode to the end, release."""
+    try:
+        await engine.open(seq.request_id, parts, seq.kv_tokens_needed, seq)
+        if started is not None:
+            started.set()
+        seq.output_ids.extend(eager_ids)
+        feed = [seq.prompt_ids[-1], *eager_ids]
+        while True:
+            token, finish_reason = await engine.step(seq, feed)
+            if finish_reason is not None:
+                return seq.output_ids
+            feed = [token]
+    finally:
+        engine.release(seq.request_id)
+
+
+async def test_requests_joining_and_leaving_at_different_steps_match_generate(runner, prompts, tiny_generate):
+    max_tokens = [24, 5, 17, 30, 9, 12, 21, 3]
+    with engine_with(runner) as engine:
+        seqs = [sequence(runner, f"r{i}", p, n) for i, (p, n) in enumerate(zip(prompts, max_tokens))]
+
+        async def join_later(i: int) -> list[int]:
+            await wait_for_steps(engine, 2 * i)  # request i joins at about step 2i
+            return await decode(engine, seqs[i], prompt_kv(runner, prompts[i]))
+
+        outputs = await asyncio.gather(*(join_later(i) for i in range(len(seqs))))
+        for prompt_ids, n, output in zip(prompts, max_tokens, outputs):
+            assert output == tiny_generate(prompt_ids, n), f"prompt of {len(prompt_ids)} tokens"
+        assert max(engine.batch_sizes) >= 4, "requests must have shared steps"
+        assert len(set(engine.batch_sizes)) >= 3, "the batch must have grown and shrunk"
+        assert engine.stats()["kv_used_tokens"] == 0 and engine.running == 0
+
+
+async def wait_for_steps(engine: BatchEngine, steps: int) -> None:
+    while engine.steps < steps:
+        await asyncio.sleep(0.001)
+
+
+@pytest.mark.parametrize("max_batch_tokens", [512, 6])
+async def test_extend_decode_inside_a_batch_is_token_exact(runner, prompts, tiny_generate, max_batch_tokens):
+    """MD's takeover feeds the last prompt token plus RLD's eager tokens in one step, beside plain decodes;
+    a small token budget splits the extend across steps."""
+    max_tokens = 28
+    with engine_with(runner, max_batch_tokens=max_batch_tokens) as engine:
+        expected = [tiny_generate(p, max_tokens) for p in prompts]
+        runs = []
+        for i, prompt_ids in enumerate(prompts):
+            eager = expected[i][:(3 * i) % 20] if i % 2 else []  # odd requests take over after 0..19 tokens
+            if len(eager) >= len(expected[i]):
+                eager = expected[i][:-1]
+            seq = sequence(runner, f"x{i}", prompt_ids, max_tokens)
+            runs.append(decode(engine, seq, prompt_kv(runner, prompt_ids), eager))
+        outputs = await asyncio.gather(*runs)
+        assert outputs == expected
+        assert max(engine.batch_sizes) >= 4
+
+
+async def test_catch_up_chunks_extend_the_kv_without_sampling(runner, prompts, tiny_generate):
+    prompt_ids, max_tokens = prompts[3], 30
+    expected = tiny_generate(prompt_ids, max_tokens)
+    with engine_with(runner) as engine:
+        seq = sequence(runner, "catch-up", prompt_ids, max_tokens)
+        other = sequence(runner, "other", prompts[5], max_tokens)
+        background = asyncio.create_task(decode(engine, other, prompt_kv(runner, prompts[5])))
+        try:
+            await engine.open(seq.request_id, prompt_kv(runner, prompt_ids), seq.kv_tokens_needed, seq)
+            pending = [prompt_ids[-1]]
+            for chunk in (expected[0:6], expected[6:9], expected[9:15]):  # RLD's Catch-Up chunks
+                seq.output_ids.extend(chunk)
+                pending += chunk
+                assert await engine.extend(seq.request_id, pending[:-1]) is None
+                pending = pending[-1:]
+            token, finish_reason = await engine.step(seq, pending)
+            while finish_reason is None:
+                token, finish_reason = await engine.step(seq, [token])
+        finally:
+            engine.release(seq.request_id)
+        assert seq.output_ids == expected
+        assert await background == tiny_generate(prompts[5], max_tokens)
+
+
+async def test_full_kv_budget_makes_new_requests_wait_then_run(runner, prompts, tiny_generate):
+    max_tokens = 16
+    seqs = [sequence(runner, f"b{i}", prompts[i], max_tokens) for i in range(3)]
+    budget = seqs[0].kv_tokens_needed + seqs[1].kv_tokens_needed  # room for the first two only
+    with engine_with(runner, kv_budget_tokens=budget) as engine:
+        started = [asyncio.Event() for _ in seqs]
+        first_two = [asyncio.create_task(decode(engine, seqs[i], prompt_kv(runner, prompts[i]), started=started[i]))
+                     for i in range(2)]
+        await asyncio.gather(started[0].wait(), started[1].wait())
+        third = asyncio.create_task(decode(engine, seqs[2], prompt_kv(runner, prompts[2]), started=started[2]))
+        await until(lambda: engine.waiting == 1)
+        stats = engine.stats()
+        assert stats["kv_budget_tokens"] == budget and stats["kv_used_tokens"] == budget and stats["waiting"] == 1
+        assert not started[2].is_set(), "the third request must wait, not fail"
+        outputs = [*(await asyncio.gather(*first_two)), await third]
+        assert outputs == [tiny_generate(prompts[i], max_tokens) for i in range(3)]
+        assert engine.stats()["kv_used_tokens"] == 0 and engine.waiting == 0
+
+
+async def test_a_request_larger_than_the_budget_is_refused(runner, prompts):
+    seq = sequence(runner, "huge", prompts[5], 100)
+    with engine_with(runner, kv_budget_tokens=seq.kv_tokens_needed - 1) as engine:
+        with pytest.raises(KVBudgetExceeded):
+            await engine.open(seq.request_id, [], seq.kv_tokens_needed, seq)
+
+
+async def test_kv_is_freed_exactly_once_on_abort(runner, prompts):
+    with engine_with(runner, kv_budget_tokens=1000) as engine:
+        seq = sequence(runner, "aborted", prompts[4], 500)
+        task = asyncio.create_task(decode(engine, seq, prompt_kv(runner, prompts[4])))
+        await until(lambda: len(seq.output_ids) >= 3)
+        assert engine.stats()["kv_used_tokens"] == seq.kv_tokens_needed
+        task.cancel()  # the gateway's Abort cancels the request's task
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await until(lambda: engine.running == 0)
+        engine.release(seq.request_id)  # a second release (abort after finish) changes nothing
+        await engine.run(lambda: None)
+        assert engine.stats()["kv_used_tokens"] == 0 and engine.frees == 1 and seq.kv.data.numel() == 0
+
+
+async def test_abort_while_waiting_for_budget_withdraws_the_request(runner, prompts):
+    first = sequence(runner, "holder", prompts[1], 8)
+    with engine_with(runner, kv_budget_tokens=first.kv_tokens_needed) as engine:
+        await engine.open(first.request_id, [], first.kv_tokens_needed, first)
+        waiter = sequence(runner, "waiter", prompts[0], 4)
+        task = asyncio.create_task(decode(engine, waiter, prompt_kv(runner, prompts[0])))
+        await until(lambda: engine.waiting == 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await until(lambda: engine.waiting == 0)
+        engine.release(first.request_id)
+        await engine.run(lambda: None)
+        assert engine.stats()["kv_used_tokens"] == 0 and engine.frees == 1 and engine.running == 0
+
+
+async def test_prefill_chunks_of_several_requests_share_a_step(runner, prompts):
+    """P's use: chunks without sampling, their KV returned; batched equals each prompt alone."""
+    chunk_tokens = 16
+    with engine_with(runner, max_batch_tokens=64) as engine:
+        async def prefill(key: str, prompt_ids: list[int]) -> torch.Tensor:
+            kv_ids = prompt_ids[:-1]
+            await engine.open(key, [], len(kv_ids))
+            try:
+                chunks = [await engine.submit(key, kv_ids[s:s + chunk_tokens], sample=False, return_kv=True)
+                          for s in range(0, len(kv_ids), chunk_tokens)]
+            finally:
+                engine.release(key)
+            return torch.cat(chunks, dim=3)
+
+        long_prompts = [p for p in prompts if len(p) > 8]
+        batched = await asyncio.gather(*(prefill(f"p{i}", p) for i, p in enumerate(long_prompts)))
+        assert max(engine.batch_sizes) >= 2
+        for prompt_ids, kv in zip(long_prompts, batched):
+            alone = prompt_kv(runner, prompt_ids)[0]
+            assert kv.shape == alone.shape
+            torch.testing.assert_close(kv, alone, rtol=1e-5, atol=1e-5)
+
+
+async def until(predicate, timeout_s: float = 30.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.002)
+
+
+SMOLLM2_PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "Three reasons to batch decode steps on a CPU are",
+    "Once upon a time there was a serving system split across two datacenters. " * 4,
+    "Q: What is 17 times 3?\nA:",
+]
+
+
+@pytest.mark.smollm2
+async def test_smollm2_batched_decoding_matches_generate():
+    from shared.models import load_tokenizer, resolve_model
+    from tests.conftest import reference_generate
+
+    path = resolve_model("smollm2")
+    runner = ModelRunner(load_model(path, "float32", "cpu"))
+    tokenizer = load_tokenizer(path)
+    generate = reference_generate(path)
+    prompts = [tokenizer(text)["input_ids"] for text in SMOLLM2_PROMPTS]
+    max_tokens = [20, 12, 24, 16, 20, 8]
+    with engine_with(runner) as engine:
+        seqs = [sequence(runner, f"s{i}", p, n) for i, (p, n) in enumerate(zip(prompts, max_tokens))]
+
+        async def join_later(i: int) -> list[int]:
+            await wait_for_steps(engine, 3 * i)
+            return await decode(engine, seqs[i], prompt_kv(runner, prompts[i]))
+
+        outputs = await asyncio.gather(*(join_later(i) for i in range(len(seqs))))
+        assert outputs == [generate(p, n) for p, n in zip(prompts, max_tokens)]
+        assert max(engine.batch_sizes) >= 3
+
+
+def test_decoder_heartbeat_reports_the_kv_budget_and_its_use(tiny_path):
+    from services.main.service import MainService
+    from shared.config import DecoderConfig
+
+    config = DecoderConfig.from_argv("main", ["--model", str(tiny_path), "--kv-budget-tokens", "1234",
+                                              "--max-batch-tokens", "64", "--cache-tokens", "0"])
+    service = MainService(config)
+    try:
+        service.advertise_port = 0  # set by start(), which this test does not need
+        heartbeat = service._describe()
+        assert service.engine.config.max_batch_tokens == 64
+        assert heartbeat.waiting == 0
+        assert {k: heartbeat.stats[k] for k in ("kv_budget_tokens", "kv_used_tokens", "waiting")} == {
+            "kv_budget_tokens": 1234, "kv_used_tokens": 0, "waiting": 0}
+    finally:
+        service.engine.shutdown()
