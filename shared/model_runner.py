@@ -17,7 +17,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward, use_gqa_in_sdpa
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from shared.sampling import SamplingParams, sample_token
+from shared.sampling import SamplingParams
 
 ATTENTION = "pdd_packed"
 
@@ -140,12 +140,9 @@ class ModelRunner:
         self.max_context_tokens = int(getattr(model.config, "max_position_embeddings", 2048))
         self.num_layers = model.config.num_hidden_layers
         self.kv_heads = model.config.num_key_value_heads or model.config.num_attention_heads
-        self.head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+        heads = model.config.num_attention_heads
+        self.head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // heads
         model.set_attn_implementation(ATTENTION)
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return self.num_layers * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
 
     def new_kv(self, capacity: int, parts: Sequence[torch.Tensor] = ()) -> SequenceKV:
         """Room for `capacity` positions, starting with parts [layers, 2, kv_heads, tokens, head_dim] in order."""
@@ -191,9 +188,3 @@ class ModelRunner:
     def forward(self, kv: SequenceKV, token_ids: list[int]) -> torch.Tensor:
         """One request alone: append token_ids; the logits after the last one, shape [vocab]."""
         return self.forward_packed([PackedRow(kv, token_ids, True)])[0]
-
-    def decode_step(self, seq: DecodeSequence, feed_ids: list[int]) -> tuple[int, str | None]:
-        """One request alone: feed the tokens its KV lacks; sample the next one."""
-        logits = self.forward(seq.kv, feed_ids)
-        token = sample_token(logits, seq.sampling, len(seq.output_ids))
-        return token, seq.accept(token)
