@@ -100,8 +100,8 @@ class StackConfig:
         parser.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:N")
         parser.add_argument("--host", default=d.host, help="address the gateway binds")
         parser.add_argument("--port", type=int, default=d.port, help="gateway port; 0 picks a free one")
-        parser.add_argument("--pipeline", default=d.pipeline, choices=PIPELINES,
-                            help="pipeline for requests that do not name one")
+        parser.add_argument("--pipeline", default=d.pipeline, choices=("auto", *PIPELINES),
+                            help="pipeline for requests that do not name one; auto: the gateway's policy")
         parser.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
         parser.add_argument("--log-dir", type=Path, default=d.log_dir, help="one log file per process")
         parser.add_argument("--log-level", default=d.log_level, help="log level of the services")
