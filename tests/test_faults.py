@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import aiohttp
 import pytest
 
-from shared import bus, messages, subjects
 from shared.api_client import ApiError, stream_completion
 from shared.launcher import LocalStack, StackConfig
+
+from helpers import fresh_heartbeats, random_prompt
 
 BEAT = ["--heartbeat-s", "0.25"]
 TOKEN_TIMEOUT_S = 20
@@ -36,8 +36,7 @@ async def session():
 
 
 def prompt(seed: int, n: int = 80) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
+    return random_prompt(seed, n)
 
 
 async def complete(session, stack, prompt_ids, max_tokens, **pdd):
@@ -141,23 +140,6 @@ async def _abandon(session, stack, p: list[int], after_chunks: int, pipeline: st
                 break
         resp.close()
 
-
-async def fresh_heartbeats(nats_url: str) -> dict[str, messages.Heartbeat]:
-    after = time.time() + 0.1
-    nc = await bus.connect(nats_url, "test")
-    seen: dict[str, messages.Heartbeat] = {}
-
-    async def on_beat(msg) -> None:
-        beat = messages.decode(msg.data)
-        if beat.sent_at > after:
-            seen[beat.role] = beat
-
-    await nc.subscribe(subjects.heartbeat_all(), cb=on_beat)
-    async with asyncio.timeout(10):
-        while set(seen) != {"prefill", "relay", "main"}:
-            await asyncio.sleep(0.05)
-    await nc.close()
-    return seen
 
 
 async def test_two_hundred_random_aborts_leave_nothing_behind(stack, session):

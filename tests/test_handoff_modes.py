@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 import asyncio
-import random
-import time
 
 import aiohttp
 import pytest
 
-from shared import bus, messages, subjects
 from shared.api_client import stream_completion
 from shared.launcher import LocalStack, StackConfig
+
+from helpers import fresh_heartbeats, random_prompt
 
 CATCH_UP_THRESHOLD = 8
 HEARTBEAT_S = 0.25
@@ -32,10 +31,6 @@ async def session():
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as client:
         yield client
 
-
-def random_prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
 
 
 async def complete(session, stack, prompt_ids, max_tokens, **pdd):
@@ -67,33 +62,15 @@ async def test_catch_up_hands_off_in_chunks_and_cuts_exactly_where_told(stack, s
     assert result.handoff["eager_tokens"] == 40
 
 
-async def p_stats(nats_url: str) -> dict[str, messages.Heartbeat]:
-    """The next fresh heartbeat of each role."""
-    after = time.time() + 0.05
-    nc = await bus.connect(nats_url, "test-heartbeats")
-    seen: dict[str, messages.Heartbeat] = {}
-
-    async def on_beat(msg) -> None:
-        beat = messages.decode(msg.data)
-        if beat.sent_at > after:
-            seen[beat.role] = beat
-
-    await nc.subscribe(subjects.heartbeat_all(), cb=on_beat)
-    async with asyncio.timeout(10):
-        while set(seen) != {"prefill", "relay", "main"}:
-            await asyncio.sleep(0.05)
-    await nc.close()
-    return seen
-
 
 async def test_relay_finishing_first_aborts_the_wan_transfer_and_frees_both_sides(stack, session, tiny_generate):
-    before = (await p_stats(stack.nats_url))["prefill"].stats
+    before = (await fresh_heartbeats(stack.nats_url))["prefill"].stats
     prompt = random_prompt(12, 300)
     result = await complete(session, stack, prompt, 3, md_kv_delay_ms=5000)
     assert result.token_ids == tiny_generate(prompt, 3) and set(result.tiers) == {"relay"}
     assert "main" not in result.summary["kv"], "MD never received the KV"
     await asyncio.sleep(0.3)
-    after = await p_stats(stack.nats_url)
+    after = await fresh_heartbeats(stack.nats_url)
     assert after["prefill"].stats["aborted_transfers"] == before["aborted_transfers"] + 1
     saved = after["prefill"].stats["kv_bytes_saved_by_abort"] - before["kv_bytes_saved_by_abort"]
     assert saved == 299 * after["prefill"].stats["kv_bytes_per_token"], "nothing of the prompt crossed"

@@ -4,7 +4,6 @@ pipeline choice follows MD's cache hit."""
 from __future__ import annotations
 
 import asyncio
-import random
 import signal
 import subprocess
 import sys
@@ -14,6 +13,8 @@ import pytest
 
 from shared.api_client import stream_completion
 from shared.launcher import LocalStack, StackConfig
+
+from helpers import random_prompt
 
 BEAT = ["--heartbeat-s", "0.25"]
 
@@ -49,10 +50,6 @@ async def session():
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as client:
         yield client
 
-
-def random_prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
 
 
 async def complete(session, stack, prompt_ids, max_tokens=8, **pdd):

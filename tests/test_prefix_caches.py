@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import aiohttp
 import pytest
 
-from shared import bus, messages, subjects
 from shared.api_client import stream_completion
 from shared.launcher import LocalStack, StackConfig
+
+from helpers import fresh_heartbeats, random_prompt
 
 P_CACHE_TOKENS = 300  # small on purpose: a long prompt does not fit, so MD's hit can exceed P's
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 16 * 4  # tiny model: layers x (K, V) x kv heads x head dim x fp32
@@ -34,10 +34,6 @@ async def session():
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as client:
         yield client
 
-
-def random_prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
 
 
 async def complete(session, stack, prompt_ids: list[int], max_tokens: int = 16, **pdd):
@@ -107,23 +103,6 @@ async def test_multi_turn_session_sends_only_each_turns_new_tokens_to_main(stack
         history = history + result.token_ids + random_prompt(100 + turn, 30)  # answer + tool output
 
 
-async def fresh_heartbeats(nats_url: str, after: float) -> dict[str, messages.Heartbeat]:
-    """One heartbeat per instance, each sent after `after` (wall clock)."""
-    nc = await bus.connect(nats_url, "test-heartbeats")
-    seen: dict[str, messages.Heartbeat] = {}
-
-    async def on_beat(msg) -> None:
-        beat = messages.decode(msg.data)
-        if beat.sent_at > after:
-            seen[beat.instance_id] = beat
-
-    await nc.subscribe(subjects.heartbeat_all(), cb=on_beat)
-    async with asyncio.timeout(10):
-        while {b.role for b in seen.values()} != {"prefill", "relay", "main"}:
-            await asyncio.sleep(0.05)
-    await nc.close()
-    return seen
-
 
 async def _abandon(session, stack, prompt: list[int], after_chunks: int) -> None:
     body = {"prompt": prompt, "max_tokens": 200, "temperature": 0, "stream": True,
@@ -143,7 +122,7 @@ async def test_abort_storm_leaves_no_lock_inbox_or_transfer(stack, session):
     prompts = [base[:rng.randrange(50, 250)] + random_prompt(200 + i, rng.randrange(1, 60)) for i in range(40)]
     await asyncio.gather(*(_abandon(session, stack, p, rng.randrange(0, 12)) for p in prompts))
     await asyncio.sleep(1.0)  # aborts propagate
-    beats = await fresh_heartbeats(stack.nats_url, time.time() + 0.1)
+    beats = await fresh_heartbeats(stack.nats_url)
     for beat in beats.values():
         stats = beat.stats
         assert stats.get("locked_nodes", 0) == 0, beat
