@@ -1,9 +1,10 @@
 """Fixtures shared by the end-to-end tests: the tiny model and a reference `generate`."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import aiohttp
 import pytest
 import torch
 
@@ -39,3 +40,10 @@ def tiny_tokenizer(tiny_path: Path):
 @pytest.fixture(scope="session")
 def tiny_generate(tiny_path: Path) -> Generate:
     return reference_generate(tiny_path)
+
+
+@pytest.fixture(scope="module")
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    """An HTTP client for the module's stack, with a bound on every request."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as client:
+        yield client

@@ -47,12 +47,6 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Local
 
 
 @pytest.fixture(scope="module")
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 async def traced(stack: LocalStack, session: aiohttp.ClientSession, tiny_tokenizer) -> StreamResult:
     """One P-RLD-MD request with a visible handoff, once its spans from all four services are in."""
     body = {"model": "tiny-llama", "prompt": tiny_tokenizer(PROMPT)["input_ids"], "max_tokens": 48,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import random
 
-import aiohttp
 import pytest
 
 from shared.api_client import ApiError, stream_completion
@@ -27,12 +26,6 @@ async def stack(tmp_path_factory):
                                                  "--request-timeout-s", "60"]})
     async with LocalStack(config) as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-async def session():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as client:
-        yield client
 
 
 def prompt(seed: int, n: int = 80) -> list[int]:

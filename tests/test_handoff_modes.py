@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import pytest
 
 from shared.api_client import stream_completion
@@ -24,12 +23,6 @@ async def stack(tmp_path_factory):
                                      "prefill": beat, "main": beat, "gateway": beat})
     async with LocalStack(config) as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-async def session():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as client:
-        yield client
 
 
 

@@ -45,12 +45,6 @@ async def stack(tmp_path_factory):
             second.wait(10)
 
 
-@pytest.fixture(scope="module")
-async def session():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as client:
-        yield client
-
-
 
 async def complete(session, stack, prompt_ids, max_tokens=8, **pdd):
     body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "pdd": pdd}

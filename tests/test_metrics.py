@@ -39,12 +39,6 @@ def metrics_urls(stack: LocalStack, metrics_ports: dict[str, int]) -> dict[str, 
             **{role: f"http://127.0.0.1:{port}/metrics" for role, port in metrics_ports.items()}}
 
 
-@pytest.fixture(scope="module")
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as client:
-        yield client
-
-
 async def scrape(session: aiohttp.ClientSession, metrics_urls: dict[str, str]) -> dict[str, Samples]:
     out: dict[str, Samples] = {}
     for role, url in metrics_urls.items():

@@ -2,7 +2,6 @@
 every pipeline and every handoff point is token-exact against transformers' `generate`."""
 from __future__ import annotations
 
-import aiohttp
 import openai
 import pytest
 
@@ -24,12 +23,6 @@ async def stack(tmp_path_factory):
                          chunk_tokens=64, startup_timeout_s=120)
     async with LocalStack(config) as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-async def session():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")

@@ -106,12 +106,6 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Local
             yield running
 
 
-@pytest.fixture(scope="module")
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as client:
-        yield client
-
-
 async def wait_for_trace(session: aiohttp.ClientSession, stack: LocalStack, trace_id: str,
                          ready: Callable[[list[dict]], bool]) -> list[dict]:
     """The stored spans of one trace, once `ready(spans)` holds (services export in batches)."""

@@ -65,12 +65,6 @@ async def wan(stack: LocalStack) -> AsyncIterator[LocalStack]:
     await stack.wan.set_link(**BASE_LINK)
 
 
-@pytest.fixture(scope="module")
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as client:
-        yield client
-
-
 def random_prompt(seed: int, tokens: int) -> list[int]:
     """A prompt no other test sends, so neither P's cache nor MD's DRC holds any of it."""
     rng = random.Random(seed)
