@@ -6,7 +6,7 @@ check token-exactness across tiers and measure TTFT and the gaps between tokens.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -56,8 +56,11 @@ async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[Json]:
 
 
 async def stream_completion(session: aiohttp.ClientSession, api_url: str, body: Json,
-                            path: str = "/v1/completions") -> StreamResult:
-    """POST a streamed request; raise ApiError for an HTTP error or an error event in the stream."""
+                            path: str = "/v1/completions",
+                            on_token: Callable[[int, str], None] | None = None) -> StreamResult:
+    """POST a streamed request; raise ApiError for an HTTP error or an error event in the stream.
+
+    `on_token(index, tier)` is called as each token arrives (fault tests time a kill with it)."""
     result = StreamResult()
     t0 = time.monotonic()
     async with session.post(api_url + path, json={**body, "stream": True,
@@ -74,6 +77,8 @@ async def stream_completion(session: aiohttp.ClientSession, api_url: str, body: 
                 result.token_ids.append(token["id"])
                 result.tiers.append(token["tier"])
                 result.token_times_s.append(time.monotonic() - t0)
+                if on_token is not None:
+                    on_token(len(result.token_ids) - 1, token["tier"])
             if pdd.get("handoff"):
                 result.handoff = pdd["handoff"]
             for choice in event.get("choices", ()):

@@ -374,7 +374,8 @@ class BatchEngine:
                 if slot.seq is None:
                     exc = NotAdmitted(f"{work.key} has no sampling state")
                 else:
-                    token = sample_token(logits[row], slot.seq.sampling, len(slot.seq.output_ids))
+                    token = sample_token(logits[row], slot.seq.sampling,
+                                         slot.seq.first_index + len(slot.seq.output_ids))
                     result = (token, slot.seq.accept(token))
                     if result[1] is None:
                         self._expected.add(work.key)

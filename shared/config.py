@@ -260,6 +260,7 @@ class GatewayConfig:
     max_running_requests: int = 0
     api_key_file: str = ""
     failure_policy: str = "recover"
+    max_migrations: int = 2
     trace_store_traces: int = 500
     otlp_forward_endpoint: str = ""
 
@@ -297,6 +298,11 @@ class GatewayConfig:
                        help="requests in flight before new ones get 429 with Retry-After (0: no limit)")
         p.add_argument("--api-key-file", default=_env("API_KEY_FILE", ""),
                        help="file holding the API key clients must send as a Bearer token; empty: open")
+        p.add_argument("--failure-policy", default=_env("FAILURE_POLICY", "recover"), choices=("recover", "fail"),
+                       help="when a tier is lost mid-request: recover (RLD finishes, MD takes over, or the request "
+                            "moves to another instance) or fail with an error; a request may name its own")
+        p.add_argument("--max-migrations", type=int, default=int(_env("MAX_MIGRATIONS", "2")),
+                       help="times one request may be moved to other instances after losing one (recover policy)")
         p.add_argument("--trace-store-traces", type=int, default=int(_env("TRACE_STORE_TRACES", "500")),
                        help="the gateway's OTLP receiver (POST /v1/traces) keeps this many recent traces")
         p.add_argument("--otlp-forward-endpoint", default=_env("OTLP_FORWARD_ENDPOINT", ""),
@@ -310,5 +316,5 @@ class GatewayConfig:
                    ns.token_timeout_s, ns.max_body_bytes, ns.default_max_tokens, ns.ttft_slo_ms / 1000.0,
                    ns.ttft_budget_fraction, ns.skip_wan_max_tokens, ns.wan_mbps_guess,
                    ns.prefill_tokens_per_s_guess, ns.decode_step_s_guess, ns.route_load_penalty_tokens,
-                   ns.max_running_requests, ns.api_key_file,
+                   ns.max_running_requests, ns.api_key_file, ns.failure_policy, ns.max_migrations,
                    trace_store_traces=ns.trace_store_traces, otlp_forward_endpoint=ns.otlp_forward_endpoint)

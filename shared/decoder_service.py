@@ -201,7 +201,8 @@ class DecoderService:
                      kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> DecodeSequence:
         """Reserve the request's KV in the batch engine, waiting while its budget is full, and fill it."""
         assign = request.assign
-        seq = DecodeSequence(assign.request_id, assign.prompt_ids, assign.sampling, self.runner.max_context_tokens)
+        seq = DecodeSequence(assign.request_id, assign.prompt_ids, assign.sampling, self.runner.max_context_tokens,
+                             first_index=assign.output_offset)
         parts = kv if isinstance(kv, tuple) else (kv,)  # (cached prefix, received suffix) or the received KV
         remaining = assign.deadline_s - (time.monotonic() - request.assigned_at)
         try:

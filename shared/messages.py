@@ -57,6 +57,8 @@ class DecodeAssign:
     handoff_at: int | None = None  # test knob: RLD hands off after exactly this many tokens
     trace_context: dict[str, str] = field(default_factory=dict)
     handoff_mode: str | None = None  # "one-shot" | "catch-up" | None: RLD's own policy (--handoff-mode)
+    output_offset: int = 0  # a migrated request: output tokens the client already has (the prompt ends with
+    # them); the sampler draws token i as output token output_offset + i, and TokenChunk indices stay local
 
     @property
     def kv_tokens(self) -> int:

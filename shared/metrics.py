@@ -69,6 +69,8 @@ class GatewayMetrics(_RoleMetrics):
         self.handoff_stall = Histogram(
             "pdd_handoff_stall_seconds", "The gap a client sees between RLD's last and MD's first token",
             ["mode"], buckets=TOKEN_GAP_BUCKETS_S, registry=r)
+        self.recoveries = Counter("pdd_recoveries", "Requests kept alive after losing a tier, by what was done "
+                                  "(finish_on_relay, main_takes_over, migrate)", ["action"], registry=r)
         self.live_instances = Gauge("pdd_live_instances", "Instances with fresh heartbeats", ["role"], registry=r)
 
 

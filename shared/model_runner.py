@@ -48,6 +48,7 @@ class DecodeSequence:
     max_context_tokens: int
     kv: SequenceKV | None = None  # set by the engine when the request is admitted
     output_ids: list[int] = field(default_factory=list)
+    first_index: int = 0  # the request's output index of output_ids[0] (not 0 after a migration)
 
     @property
     def kv_tokens_needed(self) -> int:

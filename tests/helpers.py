@@ -34,3 +34,22 @@ async def fresh_heartbeats(nats_url: str, roles: tuple[str, ...] = ("prefill", "
     finally:
         await nc.close()
     return seen
+
+
+async def busy_instance(nats_url: str, role: str, timeout_s: float = 10.0) -> str:
+    """The id of an instance of `role` whose fresh heartbeat shows a request running on it."""
+    after = time.time() + 0.05
+    nc = await bus.connect(nats_url, "test-busy-instance")
+    found: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def on_beat(msg) -> None:
+        beat = messages.decode(msg.data)
+        if beat.role == role and beat.sent_at > after and beat.running > 0 and not found.done():
+            found.set_result(beat.instance_id)
+
+    await nc.subscribe(subjects.heartbeat_all(), cb=on_beat)
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await found
+    finally:
+        await nc.close()

@@ -85,12 +85,68 @@ async def test_relay_killed_before_the_cut_main_takes_over_without_repeating_tok
     await healthy(session, stack)
 
 
-async def test_main_killed_while_decoding_fails_the_request_within_its_deadline(stack, session):
+async def test_main_killed_while_decoding_the_request_moves_to_relay_without_repeating_tokens(
+        stack, session, tiny_generate):
+    """P-MD, the only MD dies after 20 tokens: the request migrates (prompt + the tokens streamed)
+    and, with no other MD, RLD serves the rest. The client sees every token once, token-exact."""
+    p = prompt(4)
+    killed = []
+
+    def kill_at_20(index: int, tier: str) -> None:
+        if index == 20 and not killed:
+            stack.kill("main")
+            killed.append(tier)
+
+    body = {"prompt": p, "max_tokens": 600, "temperature": 0, "ignore_eos": True, "pdd": {"pipeline": "p-md"}}
+    result = await stream_completion(session, stack.api_url, body, on_token=kill_at_20)
+    assert killed == ["main"]
+    assert result.token_ids == tiny_generate(p, 600)
+    migration, = result.summary["migrations"]
+    assert result.summary["recovery"] == "migrate" and migration["lost"] == "main"
+    assert migration["pipeline"] == "p-rld", "no MD left: RLD serves alone"
+    assert migration["after_tokens"] >= 21
+    assert set(result.tiers[:migration["after_tokens"]]) == {"main"}
+    assert set(result.tiers[migration["after_tokens"]:]) == {"relay"}
+    # while no MD is reachable, new requests are served by RLD alone rather than refused
+    alone = await complete(session, stack, prompt(10), 12)
+    assert alone.token_ids == tiny_generate(prompt(10), 12)
+    assert alone.summary["pipeline"] == "p-rld" and set(alone.tiers) == {"relay"}
+    assert alone.summary["policy"]["reason"].startswith("no main decode reachable")
+    await stack.restart("main")
+    await healthy(session, stack)
+
+
+async def test_a_migrated_seeded_sample_draws_what_it_would_have_drawn(stack, session):
+    """The sampler's draw for token i depends on (seed, i) only; a migration keeps i absolute."""
+    p = prompt(9)
+    body = {"prompt": p, "max_tokens": 300, "temperature": 0.9, "top_p": 0.95, "seed": 7, "ignore_eos": True,
+            "pdd": {"pipeline": "p-md"}}
+    undisturbed = await stream_completion(session, stack.api_url, body)
+
+    def kill_at_15(index: int, tier: str) -> None:
+        if index == 15:
+            stack.kill("main")
+
+    migrated = await stream_completion(session, stack.api_url, body, on_token=kill_at_15)
+    assert migrated.summary["migrations"], "the kill landed after the last token"
+    assert migrated.token_ids == undisturbed.token_ids
+    await stack.restart("main")
+    await healthy(session, stack)
+
+
+async def test_main_killed_while_decoding_under_the_fail_policy_is_an_error_within_its_deadline(stack, session):
     loop = asyncio.get_running_loop()
     t0 = loop.time()
-    outcome = await asyncio.gather(complete(session, stack, prompt(4), 20000, pipeline="p-md"),
-                                   kill_after(stack, "main", 1.0), return_exceptions=True)
-    assert isinstance(outcome[0], ApiError), outcome[0]
+
+    def kill_at_5(index: int, tier: str) -> None:
+        if index == 5:
+            stack.kill("main")
+
+    body = {"prompt": prompt(4), "max_tokens": 600, "temperature": 0, "ignore_eos": True,
+            "pdd": {"pipeline": "p-md", "failure_policy": "fail"}}
+    outcome = await asyncio.gather(stream_completion(session, stack.api_url, body, on_token=kill_at_5),
+                                   return_exceptions=True)
+    assert isinstance(outcome[0], ApiError) and "main" in str(outcome[0]), outcome[0]
     assert loop.time() - t0 < TOKEN_TIMEOUT_S
     await stack.restart("main")
     await healthy(session, stack)

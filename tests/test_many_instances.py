@@ -14,9 +14,27 @@ import pytest
 from shared.api_client import stream_completion
 from shared.launcher import LocalStack, StackConfig
 
-from helpers import random_prompt
+from helpers import busy_instance, random_prompt
 
 BEAT = ["--heartbeat-s", "0.25"]
+
+
+def spawn(stack: LocalStack, role: str, instance_id: str) -> subprocess.Popen:
+    """One more instance of `role` beside the launcher's, on the same NATS."""
+    extra = ["--kv-host", "127.0.0.1", "--kv-port", "0"] if role != "prefill" else ["--chunk-tokens", "64"]
+    return subprocess.Popen(
+        [sys.executable, "-m", f"services.{role}", "--nats-url", stack.nats_url, "--model", str(stack.model_path),
+         "--torch-threads", "1", "--instance-id", instance_id, *extra, *BEAT],
+        stdout=open(stack.log_dir / f"{instance_id}.log", "ab"), stderr=subprocess.STDOUT)
+
+
+async def wait_for_instances(stack: LocalStack, role: str, count: int) -> None:
+    async with aiohttp.ClientSession() as client, asyncio.timeout(60):
+        while True:
+            async with client.get(stack.api_url + "/healthz") as resp:
+                if (await resp.json())["instances"][role] == count:
+                    return
+            await asyncio.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -24,26 +42,37 @@ async def stack(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("logs")
     config = StackConfig(model="tiny", port=0, log_dir=log_dir, torch_threads=1, chunk_tokens=64,
                          pipeline="auto", startup_timeout_s=120,
-                         extra_args={"main": ["--instance-id", "main-1", *BEAT], "prefill": BEAT, "relay": BEAT,
+                         extra_args={"main": ["--instance-id", "main-1", *BEAT],
+                                     "prefill": ["--instance-id", "prefill-1", *BEAT], "relay": BEAT,
                                      "gateway": [*BEAT, "--ttft-slo-ms", "100"]})
     async with LocalStack(config) as running:
-        second = subprocess.Popen(
-            [sys.executable, "-m", "services.main", "--nats-url", running.nats_url, "--model", str(running.model_path),
-             "--torch-threads", "1", "--kv-host", "127.0.0.1", "--kv-port", "0", "--instance-id", "main-2", *BEAT],
-            stdout=open(log_dir / "main-2.log", "wb"), stderr=subprocess.STDOUT)
-        running.extra_main = second
-        async with aiohttp.ClientSession() as client:
-            for _ in range(100):
-                async with client.get(running.api_url + "/healthz") as resp:
-                    if (await resp.json())["instances"]["main"] == 2:
-                        break
-                await asyncio.sleep(0.1)
+        running.extra = {"main-2": spawn(running, "main", "main-2"), "prefill-2": spawn(running, "prefill", "prefill-2")}
+        await wait_for_instances(running, "main", 2)
+        await wait_for_instances(running, "prefill", 2)
         try:
             yield running
         finally:
-            second.send_signal(signal.SIGTERM)
-            second.wait(10)
+            for proc in running.extra.values():
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(10)
 
+
+def kill(stack: LocalStack, instance_id: str) -> None:
+    if instance_id in stack.extra:
+        stack.extra[instance_id].send_signal(signal.SIGKILL)
+    else:
+        stack.kill(instance_id.split("-")[0])
+
+
+async def revive(stack: LocalStack, instance_id: str) -> None:
+    role = instance_id.split("-")[0]
+    if instance_id in stack.extra:
+        stack.extra[instance_id].wait(10)
+        stack.extra[instance_id] = spawn(stack, role, instance_id)
+    else:
+        await stack.restart(role)
+    await asyncio.sleep(1.2)  # the dead one's heartbeats go stale first
+    await wait_for_instances(stack, role, 2)
 
 
 async def complete(session, stack, prompt_ids, max_tokens=8, **pdd):
@@ -79,9 +108,44 @@ async def test_a_session_stays_on_the_main_that_holds_its_history(stack, session
         assert len(served_by) == 1, f"session {seed} moved between MDs: {served_by}"
 
 
+async def test_a_request_whose_main_dies_mid_decode_moves_to_the_other_main(stack, session, tiny_generate):
+    prompt = random_prompt(40, 60)
+    serving = (await complete(session, stack, prompt, 4, pipeline="p-md")).summary["instances"]["main"]
+    killed = []
+
+    def kill_at_20(index: int, tier: str) -> None:
+        if index == 20 and not killed:
+            kill(stack, serving)
+            killed.append(serving)
+
+    body = {"prompt": prompt, "max_tokens": 600, "temperature": 0, "ignore_eos": True, "pdd": {"pipeline": "p-md"}}
+    result = await stream_completion(session, stack.api_url, body, on_token=kill_at_20)
+    assert killed, "the session's MD served the request (cache-aware routing)"
+    assert result.token_ids == tiny_generate(prompt, 600)
+    migration, = result.summary["migrations"]
+    assert migration["instances"]["main"] != serving and migration["pipeline"] == "p-md"
+    assert set(result.tiers) == {"main"}
+    await revive(stack, serving)
+
+
+async def test_a_prefill_that_dies_before_any_token_is_retried_on_the_other(stack, session, tiny_generate):
+    prompt = random_prompt(41, 60)
+    body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "pdd": {"pipeline": "p-md", "md_kv_delay_ms": 3000}}
+    request = asyncio.create_task(stream_completion(session, stack.api_url, body))
+    serving = await busy_instance(stack.nats_url, "prefill")  # P streams its KV, slowly, to MD
+    kill(stack, serving)
+    result = await request
+    assert result.token_ids == tiny_generate(prompt, 16)
+    migration, = result.summary["migrations"]
+    assert migration["lost"] == "prefill" and migration["after_tokens"] == 0
+    assert migration["instances"]["prefill"] != serving
+    await revive(stack, serving)
+
+
 async def test_a_killed_main_stops_receiving_requests(stack, session, tiny_generate):
-    stack.extra_main.send_signal(signal.SIGKILL)
-    stack.extra_main.wait(10)
+    kill(stack, "main-2")
+    stack.extra["main-2"].wait(10)
     for seed in range(20, 30):
         prompt = random_prompt(seed, 40)
         result = await complete(session, stack, prompt)

@@ -18,7 +18,7 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.gateway.dispatcher import GenerationRequest, TokenEvent
+from services.gateway.request_run import GenerationRequest, TokenEvent
 from services.gateway.http_errors import error_middleware, error_payload
 from services.gateway.openai_api import OpenAIHandlers
 from services.gateway.request_parsing import (

@@ -70,16 +70,49 @@ def test_index_mirrors_the_main_cache_from_its_events() -> None:
     assert index.hit_tokens("md-1", base) == 0
 
 
-def test_recovery_paths_follow_the_failure_policy() -> None:
-    from services.gateway.recovery import Action, RunState, on_tier_lost
+def _state(pipeline="p-rld-md", cut_done=False, lost=(), streamed=5, prefill_done=True, migrations_left=2,
+           policy="recover"):
+    from services.gateway.recovery import RunState
+    return RunState(pipeline, cut_done, frozenset(lost), streamed, prefill_done, migrations_left, policy)
 
-    before_cut = RunState("p-rld-md", cut_done=False, recovered=False, policy="recover")
-    assert on_tier_lost(before_cut, "main") is Action.FINISH_ON_RELAY
-    assert on_tier_lost(before_cut, "relay") is Action.MAIN_TAKES_OVER
-    assert on_tier_lost(before_cut, "prefill") is Action.FAIL
-    after_cut = RunState("p-rld-md", cut_done=True, recovered=False, policy="recover")
-    assert on_tier_lost(after_cut, "relay") is Action.IGNORE
-    assert on_tier_lost(after_cut, "main") is Action.FAIL
-    assert on_tier_lost(RunState("p-md", False, False, "recover"), "main") is Action.FAIL
-    assert on_tier_lost(RunState("p-rld-md", False, False, "fail"), "main") is Action.FAIL
-    assert on_tier_lost(RunState("p-rld-md", False, True, "recover"), "relay") is Action.FAIL, "one recovery only"
+
+def test_recovery_before_the_cut_keeps_the_other_decoder() -> None:
+    from services.gateway.recovery import Action, on_tier_lost
+
+    assert on_tier_lost(_state(), "main") is Action.FINISH_ON_RELAY
+    assert on_tier_lost(_state(), "relay") is Action.MAIN_TAKES_OVER
+    assert on_tier_lost(_state(), "prefill") is Action.IGNORE, "P is done: its KV is out"
+    # the other decoder is gone already: the request moves on
+    assert on_tier_lost(_state(lost={"main"}), "relay") is Action.MIGRATE
+    assert on_tier_lost(_state(lost={"relay"}), "main") is Action.MIGRATE
+
+
+def test_a_lost_streaming_decoder_migrates_within_the_limit() -> None:
+    from services.gateway.recovery import Action, on_tier_lost
+
+    assert on_tier_lost(_state(cut_done=True), "main") is Action.MIGRATE
+    assert on_tier_lost(_state(cut_done=True), "relay") is Action.IGNORE, "RLD was finished"
+    assert on_tier_lost(_state("p-md"), "main") is Action.MIGRATE
+    assert on_tier_lost(_state("p-rld"), "relay") is Action.MIGRATE
+    assert on_tier_lost(_state("p-md", migrations_left=0), "main") is Action.FAIL
+
+
+def test_a_lost_prefill_is_retried_only_before_any_token() -> None:
+    from services.gateway.recovery import Action, on_tier_lost
+
+    assert on_tier_lost(_state("p-md", streamed=0, prefill_done=False), "prefill") is Action.MIGRATE
+    assert on_tier_lost(_state(streamed=0, prefill_done=False), "prefill") is Action.MIGRATE
+    # RLD streams already, MD's KV may never come: RLD finishes
+    assert on_tier_lost(_state(streamed=3, prefill_done=False), "prefill") is Action.FINISH_ON_RELAY
+    # MD streams: it holds its KV
+    assert on_tier_lost(_state("p-md", streamed=3, prefill_done=False), "prefill") is Action.IGNORE
+
+
+def test_the_fail_policy_fails_everything_but_what_needs_no_recovery() -> None:
+    from services.gateway.recovery import Action, on_tier_lost
+
+    assert on_tier_lost(_state(policy="fail"), "main") is Action.FAIL
+    assert on_tier_lost(_state("p-md", policy="fail"), "main") is Action.FAIL
+    assert on_tier_lost(_state("p-md", streamed=0, prefill_done=False, policy="fail"), "prefill") is Action.FAIL
+    assert on_tier_lost(_state(policy="fail"), "prefill") is Action.IGNORE
+    assert on_tier_lost(_state(cut_done=True, policy="fail"), "relay") is Action.IGNORE

@@ -9,7 +9,6 @@ import asyncio
 import dataclasses
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,7 +22,7 @@ from services.gateway.http_errors import error_payload
 from services.gateway.request_parsing import (ParsedRequest, PayloadTooLarge, decode_json_body, parse_chat_request,
                                               parse_completion_request)
 from services.gateway.request_telemetry import RequestTelemetry
-from services.gateway.dispatcher import GenerationRequest
+from services.gateway.request_run import GenerationRequest, new_request_id
 from shared import tracing
 from shared.config import GatewayConfig
 from shared.errors import DeadlineExceeded, PddError, RequestAborted
@@ -32,7 +31,8 @@ from shared.metrics import GatewayMetrics
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from services.gateway.dispatcher import Dispatcher, RequestRun, TokenEvent
+    from services.gateway.dispatcher import Dispatcher
+    from services.gateway.request_run import RequestRun, TokenEvent
     from shared.messages import HandoffStats
 
 log = logging.getLogger(__name__)
@@ -274,7 +274,7 @@ class OpenAIHandlers:
             return await self._serve_admitted(request, parsed)
 
     async def _serve_admitted(self, request: web.Request, parsed: ParsedRequest) -> web.StreamResponse:
-        request_id = f"req-{uuid.uuid4().hex}"
+        request_id = new_request_id()
         run = await self._dispatcher.start(GenerationRequest(
             request_id=request_id, prompt_ids=list(parsed.prompt_ids), sampling=parsed.sampling,
             pipeline=parsed.pipeline, handoff_at=parsed.handoff_at, md_kv_delay_s=parsed.md_kv_delay_s,

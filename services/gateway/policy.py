@@ -20,6 +20,11 @@ class PolicyConfig:
     default_link_bytes_per_s: float
     default_prefill_tokens_per_s: float
 
+    @property
+    def budget_s(self) -> float:
+        """How soon MD must be predicted ready for P-MD."""
+        return self.ttft_slo_s * self.budget_fraction
+
 
 @dataclass(frozen=True)
 class LinkEstimate:
@@ -47,7 +52,7 @@ def choose_pipeline(config: PolicyConfig, prompt_tokens: int, max_tokens: int, m
     link = estimate.link_bytes_per_s or config.default_link_bytes_per_s
     prefill_rate = estimate.prefill_tokens_per_s or config.default_prefill_tokens_per_s
     predicted = estimate.main_queue_s + max(missing / prefill_rate, wan_bytes / link)
-    budget = config.ttft_slo_s * config.budget_fraction
+    budget = config.budget_s
     if config.skip_wan_max_tokens and max_tokens <= config.skip_wan_max_tokens and predicted > budget:
         return PipelineDecision("p-rld", "short output: RLD finishes before MD could start", main_hit_tokens,
                                 0, predicted, budget)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from shared.errors import PeerGone
@@ -60,9 +60,10 @@ class InstanceRegistry:
     def get(self, instance_id: str) -> Instance | None:
         return self._instances.get(instance_id)
 
-    def pick(self, role: str, score: Callable[[Instance], float] | None = None) -> Instance:
-        """The live instance of `role` with the best score (default: the least loaded)."""
-        candidates = self.alive(role)
+    def pick(self, role: str, score: Callable[[Instance], float] | None = None,
+             avoid: Collection[str] = ()) -> Instance:
+        """The live instance of `role` with the best score (default: the least loaded), not in `avoid`."""
+        candidates = [i for i in self.alive(role) if i.heartbeat.instance_id not in avoid]
         if not candidates:
             raise PeerGone(f"no live {role} instance")
         key = score or (lambda i: -i.load)

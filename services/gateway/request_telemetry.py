@@ -22,7 +22,7 @@ from shared import tracing
 from shared.metrics import GatewayMetrics
 
 if TYPE_CHECKING:
-    from services.gateway.dispatcher import RequestRun
+    from services.gateway.request_run import RequestRun
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,312 @@
+"""One request in flight at the gateway: its attempts, the merge of their tokens, and recovery.
+
+A request is served by one attempt at a time: the instances one dispatch chose. RLD's and MD's
+TokenChunks are merged by index, each exactly once, into what the client has. When a tier is
+lost, services/gateway/recovery.py says what to do; a migration stops the attempt and dispatches
+a new one (through the Dispatcher) with the streamed tokens appended to the prompt, so the
+client's stream simply goes on. Every attempt ends with an Abort broadcast, so no tier keeps
+state for an attempt the gateway has let go.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from shared import bus, messages, subjects, tracing
+from shared.config import GatewayConfig
+from shared.errors import DeadlineExceeded, PddError, PeerGone, ProtocolError
+from shared.messages import (Abort, Handoff, HandoffStats, KVReceived, MainLost, PrefillDone, RequestFailed,
+                             TokenChunk)
+from shared.sampling import SamplingParams
+from services.gateway.recovery import Action, RunState, on_tier_lost
+
+if TYPE_CHECKING:
+    from services.gateway.policy import PipelineDecision
+
+log = logging.getLogger(__name__)
+
+WATCHDOG_S = 0.5  # how often a waiting request checks that its instances are still alive
+
+
+def new_request_id() -> str:
+    """A request's (or a migration attempt's) id: the KV wire carries it as a UUID."""
+    return f"req-{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    pipeline: str | None
+    handoff_at: int | None
+    md_kv_delay_s: float
+    handoff_mode: str | None = None
+    failure_policy: str | None = None  # "fail" | "recover" | None: the gateway's --failure-policy
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    index: int
+    token_id: int
+    tier: str
+    finish_reason: str | None
+
+
+@dataclass
+class Attempt:
+    """One dispatch of a request: the first, or a migration after a tier was lost."""
+
+    request: GenerationRequest  # what the tiers were sent; a migration's prompt ends with the streamed tokens
+    output_offset: int  # the request's output index of this attempt's first token
+    pipeline: str
+    decision: PipelineDecision | None
+    instances: dict[str, str]  # role -> instance id
+    cached_tokens: int = 0  # P's prefix-cache hit: prompt tokens not computed again
+    main_cached_tokens: int = 0  # MD's DRC hit: prompt tokens whose KV did not cross the WAN
+    cut_done: bool = False  # MD has taken over from RLD
+    prefill_done: bool = False
+    lost: set[str] = field(default_factory=set)  # roles lost and recovered from
+    subscription: object | None = None  # the NATS subscription to this attempt's events
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+# Dispatches an attempt: (request, output offset, instances to avoid, event callback) -> Attempt
+StartAttempt = Callable[[GenerationRequest, int, set[str], Callable[[Msg], Awaitable[None]]], Awaitable[Attempt]]
+
+_FAILED_BY_CODE = {cls.code: cls for cls in (DeadlineExceeded, ProtocolError, PeerGone)}
+
+
+class RequestRun:
+    """One request in flight: its current attempt, merge state and outcome."""
+
+    def __init__(self, nc: NATS, req: GenerationRequest, config: GatewayConfig, start_attempt: StartAttempt,
+                 release: Callable[[Attempt], None], is_alive: Callable[[str], bool] | None = None,
+                 on_prefill: Callable[[PrefillDone], None] | None = None,
+                 on_recovery: Callable[[str], None] | None = None) -> None:
+        self.nc = nc
+        self.request = req
+        self.request_id = req.request_id
+        self.config = config
+        self.failure_policy = req.failure_policy or config.failure_policy
+        self._start_attempt = start_attempt
+        self._release = release
+        self._is_alive = is_alive
+        self._on_prefill = on_prefill
+        self._on_recovery = on_recovery
+        self.first: Attempt | None = None
+        self.attempt: Attempt | None = None
+        self.migrations: list[dict] = []  # one entry per migration, for the response's summary
+        self.lost_instances: set[str] = set()  # never dispatched to again by this request
+        self.token_ids: list[int] = []  # what the client has, in order
+        self.recovery: str | None = None
+        self.handoff: HandoffStats | None = None
+        self.prefill: PrefillDone | None = None
+        self.kv_received: dict[str, KVReceived] = {}
+        self.first_token_at: float | None = None
+        self.started_at = time.monotonic()
+        self.trace_id = tracing.current_trace_id()  # the response names it, to find the trace on /dashboard
+        self.finished = False
+        self._closed = False
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._pending: dict[int, TokenEvent] = {}  # arrived ahead of a gap, by absolute index
+
+    # --- what the rest of the gateway reads ---------------------------------------------------
+
+    @property
+    def pipeline(self) -> str:
+        """The pipeline the request was dispatched on (a migration may serve its tail on another)."""
+        return self.first.pipeline if self.first else ""
+
+    @property
+    def decision(self) -> PipelineDecision | None:
+        return self.first.decision if self.first else None
+
+    @property
+    def instances(self) -> dict[str, str]:
+        """The instances serving the request now."""
+        return dict(self.attempt.instances) if self.attempt else {}
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.first.cached_tokens if self.first else 0
+
+    @property
+    def main_cached_tokens(self) -> int:
+        return self.first.main_cached_tokens if self.first else 0
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.attempt = self.first = await self._start_attempt(self.request, 0, set(), self._on_event)
+
+    async def _on_event(self, msg: Msg) -> None:
+        try:
+            self._events.put_nowait(messages.decode(msg.data))
+        except PddError as exc:
+            log.warning("%s: dropped a malformed event: %s", self.request_id, exc)
+
+    async def tokens(self) -> AsyncIterator[TokenEvent]:
+        """Tokens in index order, each once; raises the failure of any tier it cannot recover from."""
+        deadline = self.started_at + self.config.request_timeout_s
+        last_event_at = time.monotonic()
+        while not self.finished:
+            now = time.monotonic()
+            if now - last_event_at >= self.config.token_timeout_s or now >= deadline:
+                raise DeadlineExceeded(f"{self.request_id}: no token for {now - last_event_at:.1f}s")
+            try:
+                async with asyncio.timeout(min(WATCHDOG_S, deadline - now)):
+                    event = await self._events.get()
+            except TimeoutError:
+                await self._check_instances()
+                continue
+            if getattr(event, "request_id", None) != self.attempt.request_id:
+                continue  # from an attempt already let go
+            last_event_at = time.monotonic()
+            if isinstance(event, TokenChunk):
+                for token_event in self._merge(event):
+                    yield token_event
+            elif isinstance(event, KVReceived):
+                self.kv_received[event.tier] = event
+            elif isinstance(event, HandoffStats):
+                self.handoff = event
+                self.attempt.cut_done = True
+            elif isinstance(event, PrefillDone):
+                self.attempt.prefill_done = True
+                self.prefill = event
+                if self._on_prefill is not None:
+                    self._on_prefill(event)
+            elif isinstance(event, RequestFailed):
+                await self._on_tier_lost(event.path or event.tier, f"{event.tier}: {event.message}", event.code)
+
+    def _merge(self, chunk: TokenChunk) -> list[TokenEvent]:
+        """The chunk's tokens that extend what the client has, in order; later ones wait for the gap."""
+        if chunk.tier == "main":
+            self.attempt.cut_done = True
+        start = self.attempt.output_offset + chunk.start
+        for offset, token in enumerate(chunk.token_ids):
+            index = start + offset
+            last = offset == len(chunk.token_ids) - 1
+            if index >= len(self.token_ids) and index not in self._pending:
+                self._pending[index] = TokenEvent(index, token, chunk.tier, chunk.finish_reason if last else None)
+        ready = []
+        while not self.finished and len(self.token_ids) in self._pending:
+            if self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+            token_event = self._pending.pop(len(self.token_ids))
+            self.token_ids.append(token_event.token_id)
+            self.finished = token_event.finish_reason is not None
+            ready.append(token_event)
+        return ready
+
+    async def _check_instances(self) -> None:
+        """Notice a tier whose instance stopped sending heartbeats, before any deadline would."""
+        if self._is_alive is None:
+            return
+        for role, instance_id in list(self.attempt.instances.items()):
+            if role not in self.attempt.lost and not self._is_alive(instance_id):
+                await self._on_tier_lost(role, f"{role} instance {instance_id} stopped answering", PeerGone.code)
+                return  # a migration replaced the attempt: check the new one next time
+
+    async def _on_tier_lost(self, tier: str, message: str, code: str) -> None:
+        attempt = self.attempt
+        if tier in attempt.lost:
+            return
+        attempt.lost.add(tier)
+        state = RunState(attempt.pipeline, attempt.cut_done, frozenset(attempt.lost - {tier}),
+                         len(self.token_ids) - attempt.output_offset,
+                         attempt.prefill_done, self.config.max_migrations - len(self.migrations),
+                         self.failure_policy)
+        action = on_tier_lost(state, tier)
+        log.warning("%s: %s lost (%s): %s", self.request_id, tier, message, action.value)
+        if action is Action.IGNORE:
+            return
+        if action is Action.FAIL:
+            raise _FAILED_BY_CODE.get(code, PddError)(message)
+        self.recovery = action.value
+        if self._on_recovery is not None:
+            self._on_recovery(action.value)
+        if action is Action.FINISH_ON_RELAY:
+            await bus.publish(self.nc, subjects.main_lost(attempt.instances["relay"]),
+                              MainLost(attempt.request_id, message))
+        elif action is Action.MAIN_TAKES_OVER:  # from what the client already has of this attempt
+            await bus.publish(self.nc, subjects.handoff(attempt.instances["main"]), Handoff(
+                attempt.request_id, self.token_ids[attempt.output_offset:], finished=False, start=0, final=True,
+                mode="recovery"))
+        else:
+            self.lost_instances.add(attempt.instances[tier])
+            await self._migrate(tier, message)
+
+    async def _migrate(self, tier: str, reason: str) -> None:
+        """Let the attempt go and dispatch the request again, continuing after the tokens streamed."""
+        streamed = list(self.token_ids)
+        await self._stop_attempt(self.attempt, "migrated")
+        self._pending.clear()
+        req = self.request
+        moved = dataclasses.replace(
+            req, request_id=new_request_id(), prompt_ids=[*req.prompt_ids, *streamed],
+            sampling=dataclasses.replace(req.sampling, max_tokens=req.sampling.max_tokens - len(streamed)),
+            pipeline=None, handoff_at=None, md_kv_delay_s=0.0, handoff_mode=None)
+        try:
+            self.attempt = await self._start_attempt(moved, len(streamed), set(self.lost_instances), self._on_event)
+        except PddError as exc:
+            raise PeerGone(f"{reason}; could not move the request to another instance: {exc}") from exc
+        self.migrations.append({"after_tokens": len(streamed), "lost": tier, "pipeline": self.attempt.pipeline,
+                                "instances": dict(self.attempt.instances), "attempt_id": moved.request_id})
+        log.warning("%s: migrated after %d tokens to %s", self.request_id, len(streamed), self.attempt.instances)
+
+    async def _stop_attempt(self, attempt: Attempt, reason: str) -> None:
+        """Idempotent per attempt: stop listening, free its instances, tell every tier to drop it."""
+        if attempt.subscription is None:
+            return
+        subscription, attempt.subscription = attempt.subscription, None
+        self._release(attempt)
+        await subscription.unsubscribe()
+        try:
+            await bus.publish(self.nc, subjects.abort(), Abort(attempt.request_id, reason))
+        except Exception as exc:  # the tiers' own deadlines still free the attempt
+            log.warning("%s: abort not broadcast: %s", attempt.request_id, exc)
+
+    async def close(self, reason: str) -> None:
+        """Idempotent: end the current attempt."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.attempt is not None:
+            await self._stop_attempt(self.attempt, "finished" if self.finished else reason)
+
+    def summary(self) -> dict:
+        """What the client may want to know of how the request was served (the response's `pdd` field)."""
+        return {
+            "pipeline": self.pipeline,
+            "trace_id": self.trace_id,
+            "cached_tokens": {"prefill": self.cached_tokens, "main": self.main_cached_tokens},
+            "kv": {tier: {"cached_tokens": kv.cached_tokens, "kv_tokens": kv.kv_tokens, "kv_bytes": kv.kv_bytes,
+                          "kv_wait_s": round(kv.kv_wait_s, 6)} for tier, kv in self.kv_received.items()},
+            "ttft_s": None if self.first_token_at is None else round(self.first_token_at - self.started_at, 6),
+            "instances": self.instances,
+            "recovery": self.recovery,
+            "migrations": list(self.migrations),
+            "policy": None if self.decision is None else self._policy_summary(),
+        }
+
+    def _policy_summary(self) -> dict:
+        decision = self.decision
+        main_kv = self.kv_received.get("main")
+        return {"reason": decision.reason, "main_hit_predicted": decision.main_hit_tokens,
+                "wan_bytes_predicted": decision.wan_bytes,
+                "main_ready_predicted_s": round(decision.predicted_main_ready_s, 6),
+                "main_ready_actual_s": None if main_kv is None else round(main_kv.kv_wait_s, 6),
+                "ttft_budget_s": decision.budget_s}
