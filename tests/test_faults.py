@@ -163,6 +163,21 @@ async def test_prefill_killed_mid_transfer_fails_the_request_within_its_deadline
     await healthy(session, stack)
 
 
+async def test_prefill_killed_once_its_kv_is_out_does_not_disturb_the_request(stack, session, tiny_generate):
+    p = prompt(11)
+
+    def kill_at_10(index: int, tier: str) -> None:
+        if index == 10:
+            stack.kill("prefill")
+
+    body = {"prompt": p, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "pdd": {"pipeline": "p-md"}}
+    result = await stream_completion(session, stack.api_url, body, on_token=kill_at_10)
+    assert result.token_ids == tiny_generate(p, 400)
+    assert result.summary["recovery"] is None and not result.summary["migrations"]
+    await stack.restart("prefill")
+    await healthy(session, stack)
+
+
 async def test_services_survive_a_nats_restart(stack, session, tiny_generate):
     in_flight = asyncio.create_task(complete(session, stack, prompt(6), 3000, pipeline="p-md"))
     await asyncio.sleep(0.5)

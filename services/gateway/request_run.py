@@ -161,16 +161,18 @@ class RequestRun:
     async def tokens(self) -> AsyncIterator[TokenEvent]:
         """Tokens in index order, each once; raises the failure of any tier it cannot recover from."""
         deadline = self.started_at + self.config.request_timeout_s
-        last_event_at = time.monotonic()
+        last_event_at = next_check = time.monotonic()
         while not self.finished:
             now = time.monotonic()
             if now - last_event_at >= self.config.token_timeout_s or now >= deadline:
                 raise DeadlineExceeded(f"{self.request_id}: no token for {now - last_event_at:.1f}s")
+            if now >= next_check:  # also while tokens flow: RLD streaming says nothing of MD or P
+                next_check = now + WATCHDOG_S
+                await self._check_instances()
             try:
-                async with asyncio.timeout(min(WATCHDOG_S, deadline - now)):
+                async with asyncio.timeout(min(next_check, deadline) - now):
                     event = await self._events.get()
             except TimeoutError:
-                await self._check_instances()
                 continue
             if getattr(event, "request_id", None) != self.attempt.request_id:
                 continue  # from an attempt already let go
