@@ -28,6 +28,15 @@ def _add_common(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--otlp-endpoint", default=_env("OTLP_ENDPOINT", ""),
                         help="OTLP/HTTP traces endpoint, e.g. http://127.0.0.1:4318/v1/traces; empty: off")
     parser.add_argument("--heartbeat-s", type=float, default=float(_env("HEARTBEAT_S", "1.0")))
+    nats = parser.add_argument_group("NATS security", "user and password, and TLS with a client certificate "
+                                     "(mutual TLS); each empty: off")
+    nats.add_argument("--nats-user", default=_env("NATS_USER", ""))
+    nats.add_argument("--nats-password-file", default=_env("NATS_PASSWORD_FILE", ""),
+                      help="file holding --nats-user's password (credentials in --nats-url work too)")
+    nats.add_argument("--nats-tls-ca", default=_env("NATS_TLS_CA", ""),
+                      help="CA that signed the server's certificate; empty with a client certificate: the system's")
+    nats.add_argument("--nats-tls-cert", default=_env("NATS_TLS_CERT", ""), help="client certificate (PEM)")
+    nats.add_argument("--nats-tls-key", default=_env("NATS_TLS_KEY", ""), help="its private key (PEM)")
 
 
 def _add_metrics(parser: argparse.ArgumentParser) -> None:
@@ -115,6 +124,27 @@ class HandoffConfig:
 
 
 @dataclass(frozen=True)
+class NatsAuth:
+    """How a service proves itself to NATS (paths; shared/bus.py reads the files when it connects)."""
+
+    user: str = ""
+    password_file: str = ""
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.user) != bool(self.password_file):
+            raise ValueError("--nats-user and --nats-password-file go together")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--nats-tls-cert and --nats-tls-key go together")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_ca or self.tls_cert)
+
+
+@dataclass(frozen=True)
 class CommonConfig:
     nats_url: str
     instance_id: str
@@ -123,6 +153,7 @@ class CommonConfig:
     heartbeat_s: float
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # 0: no metrics server (the gateway serves /metrics on its API port)
+    nats_auth: NatsAuth = NatsAuth()
 
 
 @dataclass(frozen=True)
@@ -134,8 +165,9 @@ class ModelConfig:
 
 
 def _common(ns: argparse.Namespace) -> CommonConfig:
+    nats_auth = NatsAuth(ns.nats_user, ns.nats_password_file, ns.nats_tls_ca, ns.nats_tls_cert, ns.nats_tls_key)
     return CommonConfig(ns.nats_url, ns.instance_id, ns.log_level, ns.otlp_endpoint, ns.heartbeat_s,
-                        getattr(ns, "metrics_host", "127.0.0.1"), getattr(ns, "metrics_port", 0))
+                        getattr(ns, "metrics_host", "127.0.0.1"), getattr(ns, "metrics_port", 0), nats_auth)
 
 
 def _model(ns: argparse.Namespace) -> ModelConfig:

@@ -92,7 +92,7 @@ class DecoderService:
         self.advertise_port = self.config.advertise_port or self.kv_port
         log.info("KV socket on %s:%d (advertised as %s:%d)", self.config.kv_host, self.kv_port,
                  self.config.advertise_host, self.advertise_port)
-        self.nc = await bus.connect(self.config.common.nats_url, self.instance_id)
+        self.nc = await bus.connect(self.config.common.nats_url, self.instance_id, self.config.common.nats_auth)
         await self.nc.subscribe(subjects.decode_assign(self.role, self.instance_id), cb=self._on_assign)
         await self.nc.subscribe(subjects.abort(), cb=self._on_abort)
         await self.subscribe_role()

@@ -3,8 +3,10 @@
 Owns only the processes it starts: each runs in its own session, logs to `<log_dir>/<role>.log`,
 and is stopped in order (gateway, decoders, prefill, nats-servers, WAN emulator) with a deadline
 per stage. With `topology="two-dc"` it also starts a second nats-server for datacenter B and the
-WAN emulator between them (see docs/wan.md). It never speaks NATS itself; it polls the gateway's
-/healthz and talks to the emulator's control API.
+WAN emulator between them (see docs/wan.md). With `nats_auth`, its nats-servers demand a user, a
+password and a client certificate, made fresh under `<log_dir>/nats-auth`, and every service gets
+the flags to match. It never speaks NATS itself; it polls the gateway's /healthz and talks to the
+emulator's control API.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -23,15 +26,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
 
 import aiohttp
 
-from shared.config import DEFAULT_MAX_PAYLOAD_BYTES
+from shared.config import DEFAULT_MAX_PAYLOAD_BYTES, NatsAuth
 from shared.messages import PIPELINES
 from shared.models import DTYPES, resolve_model
+from shared.nats_certs import NatsCerts, make_nats_certs
 from shared.wan_emulator import WanStats
 
 log = logging.getLogger(__name__)
@@ -51,6 +55,8 @@ NATS_GW_A_ROUTE = "nats_gw_a"  # dialled by nats-a: A -> B messages
 NATS_GW_B_ROUTE = "nats_gw_b"  # dialled by nats-b: B -> A messages
 LOOPBACK = "127.0.0.1"
 STATE_FILE = "stack.json"
+NATS_USER = "pdd"  # --nats-auth: the one NATS user every service of the local stack connects as
+NATS_AUTH_DIR = "nats-auth"  # --nats-auth: under log_dir, the password file and certificates (mode 0700)
 _POLL_S = 0.05
 _WAN_BANNER = "wan_emulator listening:"
 
@@ -86,10 +92,14 @@ class StackConfig:
     wan_jitter_ms: float = 2.0
     wan_trace: Path | None = None  # two-dc: bandwidth trace file; overrides wan_bandwidth_mbps
     wan_control_port: int = 0  # two-dc: the emulator's control API port; 0 picks a free one
+    nats_auth: bool = False  # our nats-server(s) demand a password and a client certificate (mutual TLS)
 
     def __post_init__(self) -> None:
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"topology must be one of {TOPOLOGIES}, got {self.topology!r}")
+        if self.nats_auth and self.nats_url:
+            raise ValueError("nats_auth secures the nats-server the launcher starts; for your own server at "
+                             "nats_url, give the services PDD_NATS_USER, PDD_NATS_PASSWORD_FILE, PDD_NATS_TLS_*")
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,6 +113,9 @@ class StackConfig:
         parser.add_argument("--pipeline", default=d.pipeline, choices=("auto", *PIPELINES),
                             help="pipeline for requests that do not name one; auto: the gateway's policy")
         parser.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
+        parser.add_argument("--nats-auth", action="store_true",
+                            help="start nats-server with a user, a password and mutual TLS (throwaway certificates "
+                                 f"in <log-dir>/{NATS_AUTH_DIR}) and connect every service with them")
         parser.add_argument("--log-dir", type=Path, default=d.log_dir, help="one log file per process")
         parser.add_argument("--log-level", default=d.log_level, help="log level of the services")
         parser.add_argument("--torch-threads", type=int, default=d.torch_threads,
@@ -133,6 +146,7 @@ class StackConfig:
             startup_timeout_s=ns.startup_timeout_s, topology=ns.topology,
             wan_bandwidth_mbps=ns.wan_bandwidth_mbps, wan_delay_ms=ns.wan_delay_ms,
             wan_jitter_ms=ns.wan_jitter_ms, wan_trace=ns.wan_trace, wan_control_port=ns.wan_control_port,
+            nats_auth=ns.nats_auth,
         )
 
     @property
@@ -156,14 +170,44 @@ def _port_is_free(host: str, port: int) -> bool:
         return True
 
 
-def nats_gateway_conf(dc: str, client_port: int, gateway_port: int, wan_route_into: Mapping[str, int]) -> str:
+def nats_gateway_conf(dc: str, client_port: int, gateway_port: int, wan_route_into: Mapping[str, int],
+                      certs: NatsCerts | None = None) -> str:
     """nats-server config for datacenter `dc` ("a" or "b") of a two-dc stack: its gateway dials the
-    other datacenter through the emulator's route into it, and advertises the route into itself."""
+    other datacenter through the emulator's route into it, and advertises the route into itself.
+    With `certs`, the gateway link is mutual TLS (the emulator carries it as opaque bytes)."""
     other = "b" if dc == "a" else "a"
+    gateway_tls = nats_tls_conf(certs, indent="  ") if certs else ""
     return (f"server_name: nats-{dc}\nlisten: {LOOPBACK}:{client_port}\nmax_payload: {DEFAULT_MAX_PAYLOAD_BYTES}\n"
             f"gateway {{\n  name: dc-{dc}\n  listen: {LOOPBACK}:{gateway_port}\n"
-            f"  advertise: {LOOPBACK}:{wan_route_into[dc]}\n"
+            f"  advertise: {LOOPBACK}:{wan_route_into[dc]}\n{gateway_tls}"
             f"  gateways: [{{name: dc-{other}, url: \"nats://{LOOPBACK}:{wan_route_into[other]}\"}}]\n}}\n")
+
+
+def nats_tls_conf(certs: NatsCerts, indent: str = "") -> str:
+    """A nats-server `tls` block that presents the server certificate and demands one signed by our CA."""
+    lines = ["tls {", f"  cert_file: {json.dumps(str(certs.server_cert))}",
+             f"  key_file: {json.dumps(str(certs.server_key))}", f"  ca_file: {json.dumps(str(certs.ca))}",
+             "  verify: true", "  timeout: 5", "}"]
+    return "".join(f"{indent}{line}\n" for line in lines)
+
+
+def nats_client_auth_conf(password: str, certs: NatsCerts) -> str:
+    """What a --nats-auth nats-server adds for its clients: one user with a password, and mutual TLS."""
+    return (f"authorization {{\n  users: [{{user: {NATS_USER}, password: {json.dumps(password)}}}]\n}}\n"
+            + nats_tls_conf(certs))
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write a file only we can read: nats-server configs hold the --nats-auth password."""
+    path.unlink(missing_ok=True)
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(text)
+
+
+def nats_auth_argv(auth: NatsAuth) -> list[str]:
+    """The services' flags for `auth` (shared/config.py's NATS security group)."""
+    return ["--nats-user", auth.user, "--nats-password-file", auth.password_file, "--nats-tls-ca", auth.tls_ca,
+            "--nats-tls-cert", auth.tls_cert, "--nats-tls-key", auth.tls_key]
 
 
 def find_nats_server() -> Path:
@@ -262,6 +306,9 @@ class LocalStack:
         self.wan_ports: dict[str, int] = {}  # two-dc: route name -> the emulator's listening port
         self.md_kv_port: int = 0  # two-dc: the port MD binds (the emulator's md_kv route dials it)
         self.port: int = config.port
+        self.nats_auth: NatsAuth | None = None  # --nats-auth: what a client of our nats-server(s) presents
+        self._nats_certs: NatsCerts | None = None
+        self._nats_password = ""
         self._argv: dict[str, list[str]] = {}
         self._started_at = 0.0
         self._stopped = False
@@ -306,6 +353,8 @@ class LocalStack:
             self.port = free_port(self.config.host)
         elif not _port_is_free(self.config.host, self.port):
             raise StackError(f"port {self.port} on {self.config.host} is in use; pass --port 0 for a free one")
+        if self.config.nats_auth:
+            await asyncio.to_thread(self._make_nats_credentials)
         if self.config.two_dc:
             if self.config.nats_url:
                 raise StackError("--topology two-dc starts its own two nats-servers; drop --nats-url")
@@ -325,10 +374,25 @@ class LocalStack:
         log.info("pdd stack ready in %.1f s at %s (logs in %s)",
                  time.monotonic() - self._started_at, self.api_url, self.log_dir)
 
+    def _make_nats_credentials(self) -> None:
+        """--nats-auth: a fresh password and throwaway certificates in a directory only we can read."""
+        directory = self.log_dir / NATS_AUTH_DIR
+        self._nats_certs = make_nats_certs(directory)
+        self._nats_password = secrets.token_hex(24)
+        password_file = directory / "password"
+        _write_private(password_file, self._nats_password + "\n")
+        c = self._nats_certs
+        self.nats_auth = NatsAuth(NATS_USER, str(password_file), str(c.ca), str(c.client_cert), str(c.client_key))
+
+    def _nats_client_conf(self) -> str:
+        """The nats-server config lines that make clients log in (empty without --nats-auth)."""
+        return nats_client_auth_conf(self._nats_password, self._nats_certs) if self._nats_certs else ""
+
     async def _start_nats(self) -> None:
         port = free_port()
         conf = self.log_dir / "nats-server.conf"
-        conf.write_text(f"listen: {LOOPBACK}:{port}\nmax_payload: {DEFAULT_MAX_PAYLOAD_BYTES}\n")
+        _write_private(conf, f"listen: {LOOPBACK}:{port}\nmax_payload: {DEFAULT_MAX_PAYLOAD_BYTES}\n"
+                       + self._nats_client_conf())
         self._argv[NATS] = [str(find_nats_server()), "-c", str(conf)]
         self._spawn(NATS, self._argv[NATS])
         self.nats_url = f"nats://{LOOPBACK}:{port}"
@@ -346,7 +410,8 @@ class LocalStack:
         into = {"a": self.wan_ports[NATS_GW_B_ROUTE], "b": self.wan_ports[NATS_GW_A_ROUTE]}
         for dc, role in (("a", NATS), ("b", NATS_B)):
             conf = self.log_dir / f"nats-{dc}.conf"
-            conf.write_text(nats_gateway_conf(dc, nats_ports[dc], gateway_ports[dc], into))
+            _write_private(conf, nats_gateway_conf(dc, nats_ports[dc], gateway_ports[dc], into, self._nats_certs)
+                           + self._nats_client_conf())
             self._argv[role] = [str(find_nats_server()), "-c", str(conf)]
             self._spawn(role, self._argv[role])
         self.nats_url = f"nats://{LOOPBACK}:{nats_ports['a']}"
@@ -406,6 +471,8 @@ class LocalStack:
             argv += ["--kv-host", LOOPBACK, "--kv-port", "0"]
         if role == "gateway":
             argv += ["--host", c.host, "--port", str(self.port), "--pipeline", c.pipeline]
+        if self.nats_auth is not None:
+            argv += nats_auth_argv(self.nats_auth)
         return argv + list(c.extra_args.get(role, ()))
 
     def _child_env(self) -> dict[str, str]:
@@ -485,6 +552,8 @@ class LocalStack:
             "pids": {r: p.pid for r, p in self.processes.items()}}
         if self.config.two_dc:
             state.update(nats_url_b=self.nats_url_b, wan_control_url=self.wan_control_url, wan_ports=self.wan_ports)
+        if self.nats_auth is not None:
+            state["nats_auth"] = asdict(self.nats_auth)
         self.state_path.write_text(json.dumps(state, indent=2) + "\n")
 
     def kill(self, role: str, sig: int = signal.SIGKILL) -> None:

@@ -48,7 +48,8 @@ class GatewayService:
         self.otlp_receiver = OtlpReceiver(self.trace_store, config.otlp_forward_endpoint)
 
     async def start(self) -> None:
-        self.nc = await bus.connect(self.config.common.nats_url, self.config.common.instance_id)
+        common = self.config.common
+        self.nc = await bus.connect(common.nats_url, common.instance_id, common.nats_auth)
         await self.nc.subscribe(subjects.heartbeat_all(), cb=self._on_heartbeat)
         await self.nc.subscribe(subjects.cache_events_all(), cb=self._on_cache_events)
         self.dispatcher = Dispatcher(self.nc, self.registry, self.config, self.cache_index, metrics=self.metrics)

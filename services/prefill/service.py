@@ -60,7 +60,7 @@ class PrefillService:
     async def start(self) -> None:
         self.metrics_server = serve_metrics(self.metrics.registry, self.config.common.metrics_host,
                                             self.config.common.metrics_port)
-        self.nc = await bus.connect(self.config.common.nats_url, self.instance_id)
+        self.nc = await bus.connect(self.config.common.nats_url, self.instance_id, self.config.common.nats_auth)
         await self.nc.subscribe(subjects.prefill(self.instance_id), cb=self._on_prefill)
         await self.nc.subscribe(subjects.abort(), cb=self._on_abort)
         self._tasks.add(asyncio.create_task(
