@@ -150,6 +150,19 @@ async def request(nc: NATS, subject: str, msg: object, reply_type: type, timeout
     return answer
 
 
+async def ping(nc: NATS, subject: str, timeout_s: float) -> bool | None:
+    """Request/reply with an empty body: True if answered, False when NATS says nobody listens on
+    `subject` (a dead instance's subscriptions go with its connection), None when no answer came
+    in time (slow, or a link cut: that proves nothing either way)."""
+    try:
+        await nc.request(subject, b"", timeout=timeout_s)
+    except NoRespondersError:
+        return False
+    except Exception:
+        return None
+    return True
+
+
 async def reply_error(msg: Msg, exc: Exception) -> None:
     code = exc.code if isinstance(exc, PddError) else PddError.code
     await msg.respond(messages.encode(messages.ErrorReply(code, str(exc))))

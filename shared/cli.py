@@ -92,7 +92,7 @@ async def _serve(stack: LocalStack, stop: asyncio.Event) -> int:
         rate = f"{c.wan_bandwidth_mbps:g} Mbit/s" if c.wan_bandwidth_mbps else "unlimited"
         print(f"pdd: two datacenters: MD in B behind the WAN emulator ({rate}, {c.wan_delay_ms:g} ms one way"
               f"{f', ±{c.wan_jitter_ms:g} ms' if c.wan_jitter_ms else ''}); control API at {stack.wan_control_url} "
-              f"(GET /stats, POST /cut?mode=reset|blackhole, /restore, /link)", flush=True)
+              f"(GET /stats, POST /cut?mode=reset|blackhole[&routes=kv,...], /restore, /link)", flush=True)
     print("pdd: Ctrl-C stops the stack", flush=True)
     await stop.wait()
     return 0

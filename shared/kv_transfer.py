@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
 MAX_FRAME_BYTES = 2 * 1024 * 1024
+PROGRESS_READ_BYTES = 256 * 1024  # a receiver notes progress this often inside one frame
 
 
 class TransferState(enum.Enum):
@@ -90,7 +91,7 @@ class KVInbox(_StateMachine):
         self._seen: set[tuple[int, int, int, int]] = set()
         self.bytes_received = 0
         self.first_frame_at: float | None = None
-        self.last_frame_at: float | None = None
+        self.last_progress_at: float | None = None  # a frame, or part of one, arrived
         self.done_at: float | None = None
         self.error: PddError | None = None
         self._ended = asyncio.Event()
@@ -111,13 +112,17 @@ class KVInbox(_StateMachine):
             self._move(TransferState.TRANSFERRING)
             self.first_frame_at = time.monotonic()
         self._seen.add(key)
-        self.last_frame_at = time.monotonic()
+        self.last_progress_at = time.monotonic()
         t0, t1 = header.token_start - self.token_start, header.token_end - self.token_start
         self.kv[header.layer_start:header.layer_end, :, :, t0:t1].copy_(kv)
         self._cells_filled += (header.layer_end - header.layer_start) * (t1 - t0)
         self.bytes_received += header.payload_len
         if self._cells_filled >= self._cells_needed:
             self._finish()
+
+    def saw_bytes(self) -> None:
+        """Part of a frame arrived: on a slow link one 2 MiB frame takes seconds, and that is progress."""
+        self.last_progress_at = time.monotonic()
 
     def _finish(self) -> None:
         self._move(TransferState.DONE)
@@ -139,8 +144,8 @@ class KVInbox(_StateMachine):
     async def wait(self, timeout_s: float, stall_timeout_s: float | None = None) -> torch.Tensor:
         """The complete KV [layers, 2, kv_heads, tokens, head_dim], or the transfer's error.
 
-        Two deadlines: the whole transfer within `timeout_s`, and once frames flow, no gap between
-        frames longer than `stall_timeout_s` (a cut or stuck link shows up as a stall).
+        Two deadlines: the whole transfer within `timeout_s`, and once bytes flow, no gap in them
+        longer than `stall_timeout_s` (a cut or stuck link shows up as a stall).
         """
         deadline = time.monotonic() + timeout_s
         while not self.ended:
@@ -150,11 +155,11 @@ class KVInbox(_StateMachine):
                 break
             wait_s = deadline - now
             if stall_timeout_s is not None:
-                if self.last_frame_at is not None and now - self.last_frame_at >= stall_timeout_s:
+                if self.last_progress_at is not None and now - self.last_progress_at >= stall_timeout_s:
                     self.fail(DeadlineExceeded(
                         f"KV for {self.request_id} stalled: no frame for {stall_timeout_s:.1f}s"))
                     break
-                since = self.last_frame_at if self.last_frame_at is not None else now
+                since = self.last_progress_at if self.last_progress_at is not None else now
                 wait_s = min(wait_s, since + stall_timeout_s - now)
             try:
                 async with asyncio.timeout(wait_s):
@@ -248,8 +253,8 @@ class KVReceiver:
 
     async def _read_frame(self, reader: asyncio.StreamReader) -> None:
         header = kv_wire.unpack_header(await reader.readexactly(kv_wire.FRAME_HEADER.size))
-        payload = await reader.readexactly(header.payload_len) if header.payload_len else b""
         inbox = self.inboxes.get(header.request_id)
+        payload = await _read_payload(reader, header.payload_len, inbox)
         if inbox is None or inbox.ended:
             self.frames_dropped += 1
             return
@@ -261,6 +266,19 @@ class KVReceiver:
             except ProtocolError as exc:
                 inbox.fail(exc)
                 raise
+
+
+async def _read_payload(reader: asyncio.StreamReader, length: int, inbox: KVInbox | None) -> bytes:
+    """A frame's payload, read in slices that each tell its inbox the transfer is moving."""
+    parts = []
+    left = length
+    while left:
+        part = await reader.readexactly(min(left, PROGRESS_READ_BYTES))
+        parts.append(part)
+        left -= len(part)
+        if inbox is not None:
+            inbox.saw_bytes()
+    return b"".join(parts)
 
 
 # --- sending side (P) -----------------------------------------------------------------------

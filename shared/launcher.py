@@ -266,10 +266,11 @@ class WanControl:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
 
-    async def _call(self, method: str, path: str, body: Mapping[str, object] | None = None) -> dict[str, object]:
+    async def _call(self, method: str, path: str, body: Mapping[str, object] | None = None,
+                    params: Mapping[str, str] | None = None) -> dict[str, object]:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session, \
-                session.request(method, self.url + path, json=body) as resp:
+                session.request(method, self.url + path, json=body, params=params) as resp:
             reply = await resp.json(content_type=None)
             if resp.status != 200:
                 raise StackError(f"WAN control {method} {path}: HTTP {resp.status}: {reply}")
@@ -279,12 +280,18 @@ class WanControl:
         """Link state and config, and bytes per direction, in total and per route."""
         return await self._call("GET", "/stats")  # type: ignore[return-value]
 
-    async def cut(self, mode: str = "reset") -> None:
-        """"reset": RST every connection and refuse new ones; "blackhole": nothing moves."""
-        await self._call("POST", f"/cut?mode={mode}")
+    async def cut(self, mode: str = "reset", routes: Sequence[str] | None = None) -> dict[str, object]:
+        """"reset": RST the connections and refuse new ones; "blackhole": nothing moves. On every
+        route, or only on `routes` (names as in stats()["routes"]); returns the state and cut routes."""
+        return await self._call("POST", "/cut", params={"mode": mode, **self._routes_param(routes)})
 
-    async def restore(self) -> None:
-        await self._call("POST", "/restore")
+    async def restore(self, routes: Sequence[str] | None = None) -> dict[str, object]:
+        """Bring every route back, or only `routes`."""
+        return await self._call("POST", "/restore", params=self._routes_param(routes))
+
+    @staticmethod
+    def _routes_param(routes: Sequence[str] | None) -> dict[str, str]:
+        return {} if routes is None else {"routes": ",".join(routes)}
 
     async def set_link(self, **link: object) -> dict[str, object]:
         """Change the line live: bandwidth_mbps, delay_ms, jitter_ms, or any LinkConfig field."""

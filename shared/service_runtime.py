@@ -17,7 +17,7 @@ from typing import Protocol
 
 from nats.aio.client import Client as NATS
 
-from shared import bus, subjects
+from shared import bus, messages, subjects
 from shared.messages import Heartbeat
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,12 @@ def setup_logging(level: str, instance_id: str) -> None:
 
 
 async def heartbeat_loop(nc: NATS, role: str, interval_s: float, describe: Callable[[], Heartbeat]) -> None:
-    """Announce this instance every interval; the gateway forgets instances that go quiet."""
+    """Announce this instance every interval (the gateway forgets instances that go quiet) and answer
+    liveness pings with a heartbeat (a dead instance's ping subject has no responders at once)."""
+    async def on_ping(msg) -> None:
+        await msg.respond(messages.encode(describe()))
+
+    await nc.subscribe(subjects.ping(role, describe().instance_id), cb=on_ping)
     while True:
         if nc.is_connected:
             try:

@@ -17,6 +17,11 @@ def heartbeat_all() -> str:
     return f"{PREFIX}.hb.*"
 
 
+def ping(role: str, instance_id: str) -> str:
+    """Request/reply: is this instance there? It answers with a Heartbeat."""
+    return f"{PREFIX}.{role}.{instance_id}.ping"
+
+
 def prefill(instance_id: str) -> str:
     """Request/reply: a PrefillRequest to one P instance."""
     return f"{PREFIX}.prefill.{instance_id}.run"

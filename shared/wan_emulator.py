@@ -1,9 +1,10 @@
 """WAN emulator: a TCP proxy that makes loopback behave like the long-haul link between A and B.
 
 Owns the shared line (one bandwidth budget per direction for every route and connection, delay,
-in-order jitter, a looping bandwidth trace, cut/blackhole) and its byte counters. It knows nothing
-of what the bytes mean and must not buffer without bound: each connection holds at most a
-bandwidth-delay product plus slack, and beyond that the sender feels TCP backpressure.
+in-order jitter, a looping bandwidth trace), cuts (reset or blackhole, of every route or of some)
+and the byte counters. It knows nothing of what the bytes mean and must not buffer without bound:
+each connection holds at most a bandwidth-delay product plus slack, and beyond that the sender
+feels TCP backpressure.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import socket
 import struct
 import time
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -39,6 +41,7 @@ CONNECT_TIMEOUT_S = 5.0
 CLOSE_TIMEOUT_S = 1.0
 WRITE_HIGH_WATER_BYTES = 1024 * 1024
 DIRECTIONS = ("a_to_b", "b_to_a")
+PARTIAL = "partial"  # the emulator's summary state while some routes are cut and others are not
 JITTER_DISTS = ("uniform", "normal")
 
 
@@ -138,6 +141,8 @@ class Route:
 
 
 class LinkState(enum.Enum):
+    """One route's state; a cut of the whole link moves every route."""
+
     UP = "up"
     RESET = "reset"  # connections torn down with RST, new ones refused
     BLACKHOLE = "blackhole"  # nothing moves, connections stay open, new ones hang
@@ -177,6 +182,7 @@ class DirectionStats(TypedDict):
 
 
 class RouteStats(TypedDict):
+    state: str  # "up", "reset" or "blackhole"
     listen_port: int
     upstream: str
     client_side: str
@@ -201,7 +207,8 @@ class LinkStats(TypedDict):
 class WanStats(TypedDict):
     """What stats() returns and GET /stats serves."""
 
-    state: str
+    state: str  # "up", "reset" or "blackhole" when every route is so, else "partial"
+    cut_routes: dict[str, str]  # route name -> "reset" or "blackhole", for the routes cut now
     link: LinkStats
     connections_open: int
     buffered_bytes: int
@@ -294,14 +301,11 @@ class _Lane:
 
 
 class _Line:
-    """The link itself: config, rate schedule, up/cut state, and the two lanes."""
+    """The link itself: config, rate schedule, and the two lanes every route shares."""
 
     def __init__(self, link: LinkConfig) -> None:
         self.config = link
         self.schedule = RateSchedule(link, time.monotonic())
-        self.state = LinkState.UP
-        self.flowing = asyncio.Event()
-        self.flowing.set()
         self.lanes = {d: _Lane(self) for d in DIRECTIONS}
         self._rng = random.Random(link.seed)
 
@@ -310,14 +314,6 @@ class _Line:
             self._rng = random.Random(link.seed)
         self.config = link
         self.schedule = RateSchedule(link, time.monotonic())
-
-    def move_to(self, state: LinkState) -> None:
-        log.info("wan link %s -> %s", self.state.value, state.value)
-        self.state = state
-        if state is LinkState.UP:
-            self.flowing.set()
-        else:
-            self.flowing.clear()
 
     def one_way_delay_s(self) -> float:
         link = self.config
@@ -334,6 +330,26 @@ class _Line:
         if math.isinf(rate_bps):
             return READ_BYTES_MAX
         return int(min(READ_BYTES_MAX, max(READ_BYTES_MIN, rate_bps / 8 * READ_SLICE_S)))
+
+
+class _Gate:
+    """One route's cut state, and an event that is set while the route carries bytes."""
+
+    def __init__(self, route_name: str) -> None:
+        self.route_name = route_name
+        self.state = LinkState.UP
+        self.flowing = asyncio.Event()
+        self.flowing.set()
+
+    def move_to(self, state: LinkState) -> None:
+        if state is self.state:
+            return
+        log.info("wan route %s: %s -> %s", self.route_name, self.state.value, state.value)
+        self.state = state
+        if state is LinkState.UP:
+            self.flowing.set()
+        else:
+            self.flowing.clear()
 
 
 @dataclass(slots=True)
@@ -402,10 +418,11 @@ class _Connection:
     a real link never times out a slow reader; the endpoints own their deadlines.
     """
 
-    def __init__(self, line: _Line, route: Route, stats: _RouteStats,
+    def __init__(self, line: _Line, route: Route, gate: _Gate, stats: _RouteStats,
                  client: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
         self._line = line
         self.route = route
+        self._gate = gate
         self._stats = stats
         self._client = client
         self._upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
@@ -418,7 +435,7 @@ class _Connection:
         clean = False
         pumps: list[asyncio.Task[None]] = []
         try:
-            await self._line.flowing.wait()  # a blackholed SYN hangs until the link comes back
+            await self._gate.flowing.wait()  # a blackholed SYN hangs until the route comes back
             self._upstream = await self._dial()
             if self._upstream is None:
                 return
@@ -463,9 +480,9 @@ class _Connection:
 
     async def _carry(self, src: asyncio.StreamReader, pipe: _Pipe, direction: str) -> None:
         """Read from one end, put the bytes on the line, and schedule their arrival."""
-        line, lane = self._line, self._line.lanes[direction]
+        line, lane, gate = self._line, self._line.lanes[direction], self._gate
         while True:
-            await line.flowing.wait()
+            await gate.flowing.wait()
             size = min(line.read_bytes(), pipe.cap_bytes)
             await pipe.wait_room(size)
             data = await src.read(size)
@@ -473,19 +490,19 @@ class _Connection:
                 pipe.put(time.monotonic() + line.one_way_delay_s(), None)
                 return
             pipe.hold(len(data))
-            await line.flowing.wait()
+            await gate.flowing.wait()
             sent_at = await lane.transmit(len(data))
             pipe.put(sent_at + line.one_way_delay_s(), data)
 
     async def _deliver(self, pipe: _Pipe, dst: asyncio.StreamWriter, direction: str) -> None:
         """Hand chunks to the other end once their arrival time has come."""
-        line, lane_meter, route_meter = self._line, self._line.lanes[direction].meter, self._stats.meters[direction]
+        lane_meter, route_meter = self._line.lanes[direction].meter, self._stats.meters[direction]
         while True:
             chunk = await pipe.get()
             wait_s = chunk.deliver_at - time.monotonic()
             if wait_s > 0:
                 await asyncio.sleep(wait_s)
-            await line.flowing.wait()
+            await self._gate.flowing.wait()
             if chunk.data is None:
                 if dst.can_write_eof():
                     dst.write_eof()
@@ -529,6 +546,7 @@ class WanEmulator:
         self._line = _Line(link)
         self._servers: dict[str, asyncio.Server] = {}
         self._route_stats = {name: _RouteStats() for name in names}
+        self._gates = {name: _Gate(name) for name in names}
         self._connections: set[_Connection] = set()
 
     async def __aenter__(self) -> WanEmulator:
@@ -543,8 +561,14 @@ class WanEmulator:
         return self._line.config
 
     @property
-    def state(self) -> LinkState:
-        return self._line.state
+    def state(self) -> str:
+        """"up", "reset" or "blackhole" when every route is in that state, else "partial"."""
+        states = {gate.state.value for gate in self._gates.values()}
+        return states.pop() if len(states) == 1 else PARTIAL
+
+    def cut_routes(self) -> dict[str, str]:
+        """The routes cut now, with their mode."""
+        return {name: gate.state.value for name, gate in self._gates.items() if gate.state is not LinkState.UP}
 
     async def start(self) -> None:
         self._line.set_config(self._line.config)  # the trace replays from start, not construction
@@ -577,20 +601,36 @@ class WanEmulator:
         totals = {d: lane.meter.total_bytes for d, lane in self._line.lanes.items()}
         log.info("wan emulator stopped: %d connections reset, bytes %s", len(conns), totals)
 
-    def cut(self, mode: str = "reset") -> None:
-        """Cut the line: "reset" kills every connection with RST and refuses new ones until
-        restore(); "blackhole" freezes all traffic, leaving connections open and new ones hanging."""
+    def cut(self, mode: str = "reset", routes: Collection[str] | None = None) -> None:
+        """Cut every route, or only `routes`: "reset" kills their connections with RST and refuses
+        new ones until restore(); "blackhole" freezes their traffic, leaving connections open and
+        new ones hanging. The other routes carry on. Cutting a cut route again changes its mode."""
         state = LinkState(mode)
         if state is LinkState.UP:
             raise ValueError("cut mode must be 'reset' or 'blackhole'")
-        self._line.move_to(state)
+        names = self._named_routes(routes)
+        for name in names:
+            self._gates[name].move_to(state)
         if state is LinkState.RESET:
             for conn in list(self._connections):
-                conn.reset()
+                if conn.route.name in names:
+                    conn.reset()
 
-    def restore(self) -> None:
-        if self._line.state is not LinkState.UP:
-            self._line.move_to(LinkState.UP)
+    def restore(self, routes: Collection[str] | None = None) -> None:
+        """Bring every route back, or only `routes`."""
+        for name in self._named_routes(routes):
+            self._gates[name].move_to(LinkState.UP)
+
+    def _named_routes(self, routes: Collection[str] | None) -> set[str]:
+        """Every route for None; else the named ones, which must exist (one bad name: nothing changes)."""
+        if routes is None:
+            return set(self._routes)
+        names = {routes} if isinstance(routes, str) else set(routes)
+        if not names:
+            raise ValueError(f"name at least one route of {sorted(self._routes)}")
+        if unknown := sorted(names - set(self._routes)):
+            raise ValueError(f"unknown routes {unknown}; this emulator has {sorted(self._routes)}")
+        return names
 
     def set_link(self, link: LinkConfig) -> None:
         """Change the line live; a new trace starts replaying now. Open connections keep their
@@ -603,12 +643,12 @@ class WanEmulator:
         # logs a cancelled handler task as an error).
         stats = self._route_stats[route.name]
         stats.connections_total += 1
-        if self._line.state is LinkState.RESET:
+        if self._gates[route.name].state is LinkState.RESET:
             stats.refused += 1
             _reset(writer)
             return
         writer.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER_BYTES)
-        conn = _Connection(self._line, route, stats, (reader, writer))
+        conn = _Connection(self._line, route, self._gates[route.name], stats, (reader, writer))
         conn.task = asyncio.create_task(conn.run(), name=f"wan-{route.name}-{conn.peer}")
         conn.task.add_done_callback(partial(self._connection_done, conn))
         self._connections.add(conn)
@@ -628,6 +668,7 @@ class WanEmulator:
         for name, st in self._route_stats.items():
             route = self._routes[name]
             routes[name] = RouteStats(
+                state=self._gates[name].state.value,
                 listen_port=self.port(name) if name in self._servers else route.listen_port,
                 upstream=f"{route.upstream_host}:{route.upstream_port}",
                 client_side=route.client_side,
@@ -640,7 +681,8 @@ class WanEmulator:
             )
         rate_now = line.schedule.rate_at(now)
         return WanStats(
-            state=line.state.value,
+            state=self.state,
+            cut_routes=self.cut_routes(),
             link=LinkStats(
                 bandwidth_bps=link.bandwidth_bps,
                 current_bandwidth_bps=None if math.isinf(rate_now) else rate_now,

@@ -96,7 +96,8 @@ class WanMainConfig:
         p.add_argument("--seed", type=int, default=0, help="jitter random seed")
         p.add_argument("--control-host", default=_env("CONTROL_HOST", "127.0.0.1"))
         p.add_argument("--control-port", type=int, default=None,
-                       help="HTTP control API port (GET /stats, POST /cut, /restore, /link); 0 picks one; unset: off")
+                       help="HTTP control API port (GET /stats, POST /cut[?routes=a,b], /restore, /link); "
+                            "0 picks one; unset: off")
         p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
         return p
 
@@ -123,19 +124,31 @@ async def _stats(request: web.Request) -> web.Response:
 
 
 async def _healthz(request: web.Request) -> web.Response:
-    return _json({"ok": True, "state": request.app[EMULATOR_KEY].state.value})
+    return _json({"ok": True, "state": request.app[EMULATOR_KEY].state})
+
+
+def _routes_param(request: web.Request) -> list[str] | None:
+    """`routes=a,b` (or the parameter repeated); absent: every route."""
+    values = request.query.getall("routes", [])
+    if not values:
+        return None
+    return [name.strip() for value in values for name in value.split(",") if name.strip()]
+
+
+def _cut_state(emulator: WanEmulator) -> web.Response:
+    return _json({"state": emulator.state, "cut_routes": emulator.cut_routes()})
 
 
 async def _cut(request: web.Request) -> web.Response:
     emulator = request.app[EMULATOR_KEY]
-    emulator.cut(request.query.get("mode", "reset"))
-    return _json({"state": emulator.state.value})
+    emulator.cut(request.query.get("mode", "reset"), _routes_param(request))
+    return _cut_state(emulator)
 
 
 async def _restore(request: web.Request) -> web.Response:
     emulator = request.app[EMULATOR_KEY]
-    emulator.restore()
-    return _json({"state": emulator.state.value})
+    emulator.restore(_routes_param(request))
+    return _cut_state(emulator)
 
 
 async def _link(request: web.Request) -> web.Response:

@@ -105,6 +105,8 @@ async def test_main_killed_while_decoding_the_request_moves_to_relay_without_rep
     assert result.summary["recovery"] == "migrate" and migration["lost"] == "main"
     assert migration["pipeline"] == "p-rld", "no MD left: RLD serves alone"
     assert migration["after_tokens"] >= 21
+    gap = result.token_times_s[migration["after_tokens"]] - result.token_times_s[migration["after_tokens"] - 1]
+    print(f"migration: the client waited {gap:.2f}s for the token after the kill")
     assert set(result.tiers[:migration["after_tokens"]]) == {"main"}
     assert set(result.tiers[migration["after_tokens"]:]) == {"relay"}
     # while no MD is reachable, new requests are served by RLD alone rather than refused

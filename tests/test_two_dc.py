@@ -198,7 +198,7 @@ async def test_kv_transfer_takes_the_time_the_link_arithmetic_says(
     assert measured[(5.0, 50.0)][0] > 1.5 * measured[(20.0, 20.0)][0], measured
 
 
-# What the client hears when the link is cut mid-transfer. Nothing from B crosses a cut link, so
+# What the client hears when the link is cut mid-transfer under the `fail` policy. Nothing from B crosses a cut link, so
 # MD's own stall error never arrives; the request fails in A: by P if it still had KV to write (its
 # write stalls, or its connection is reset), else by the gateway's watchdog once MD's heartbeats
 # stop arriving, at the latest by the next-token deadline. Which one is timing: P's kernel send
@@ -211,26 +211,37 @@ CUT_ERRORS = {
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", list(CUT_ERRORS))
-async def test_a_link_cut_mid_transfer_fails_the_request_clearly_and_the_stack_recovers(
-        wan: LocalStack, session: aiohttp.ClientSession, tiny_generate: Generate, mode: str) -> None:
+@pytest.mark.parametrize(("mode", "policy"), [("blackhole", "recover"), ("reset", "recover"), ("blackhole", "fail"),
+                                              ("reset", "fail")])
+async def test_a_link_cut_mid_transfer_moves_or_fails_the_request_and_the_stack_recovers(
+        wan: LocalStack, session: aiohttp.ClientSession, tiny_generate: Generate, mode: str, policy: str) -> None:
+    """Under `recover` the request migrates (to RLD alone: no MD is reachable) and completes,
+    token-exact; under `fail` it fails clearly, within its deadline."""
     await wan.wan.set_link(bandwidth_mbps=2, delay_ms=5)  # ~1.5 MB of KV takes ~6 s: time to cut it
-    prompt = random_prompt(200 + len(mode), 1500)
+    prompt = random_prompt(200 + len(mode) + 10 * len(policy), 1500)  # uncached: P computes it chunk by chunk
     md_stalls_before = wan.log_paths["main"].read_text().count("stalled: no frame")
     before = route_bytes(await wan.wan.stats(), MD_KV_ROUTE, "a_to_b")
-    request = asyncio.create_task(complete(session, wan, prompt, 8, pipeline="p-md"))
+    request = asyncio.create_task(complete(session, wan, prompt, 8, pipeline="p-md", failure_policy=policy))
     async with asyncio.timeout(30):
         while route_bytes(await wan.wan.stats(), MD_KV_ROUTE, "a_to_b") - before < 128 * 1024:
             assert not request.done(), "the KV transfer must still be running when the link is cut"
             await asyncio.sleep(0.05)
     await wan.wan.cut(mode)
     cut_at = time.monotonic()
-    with pytest.raises(ApiError) as failed:
+    if policy == "recover":
         async with asyncio.timeout(TOKEN_TIMEOUT_S + 15):
-            await request
-    failed_after_s = time.monotonic() - cut_at
-    assert any(error in str(failed.value) for error in CUT_ERRORS[mode]), str(failed.value)
-    assert failed_after_s < TOKEN_TIMEOUT_S + 5, (failed_after_s, str(failed.value))
+            result = await request
+        assert result.token_ids == tiny_generate(prompt, 8)
+        migration, = result.summary["migrations"]
+        assert migration["after_tokens"] == 0 and migration["pipeline"] == "p-rld", migration
+        assert time.monotonic() - cut_at < TOKEN_TIMEOUT_S + 5
+    else:
+        with pytest.raises(ApiError) as failed:
+            async with asyncio.timeout(TOKEN_TIMEOUT_S + 15):
+                await request
+        failed_after_s = time.monotonic() - cut_at
+        assert any(error in str(failed.value) for error in CUT_ERRORS[mode]), str(failed.value)
+        assert failed_after_s < TOKEN_TIMEOUT_S + 5, (failed_after_s, str(failed.value))
     async with asyncio.timeout(10):  # MD gave up on its side too, although nobody could hear it
         while wan.log_paths["main"].read_text().count("stalled: no frame") == md_stalls_before:
             await asyncio.sleep(0.1)

@@ -293,6 +293,61 @@ async def test_blackhole_freezes_bytes_but_keeps_connections_open(echo: Upstream
         writer.close()
 
 
+async def test_a_cut_of_some_routes_leaves_the_others_carrying_bytes(echo: Upstream) -> None:
+    async with WanEmulator(LinkConfig(delay_ms=5), [route_to(echo, "gw"), route_to(echo, "kv")]) as wan:
+        gw_reader, gw_writer = await connect(wan, "gw")
+        kv_reader, kv_writer = await connect(wan, "kv")
+        for reader, writer in ((gw_reader, gw_writer), (kv_reader, kv_writer)):
+            writer.write(b"before")
+            assert await read_n(reader, 6) == b"before"
+
+        wan.cut("blackhole", ["kv"])
+        kv_writer.write(b"frozen")
+        gw_writer.write(b"moving")
+        assert await read_n(gw_reader, 6) == b"moving"
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await kv_reader.readexactly(6)
+        stats = wan.stats()
+        assert stats["state"] == "partial" and stats["cut_routes"] == {"kv": "blackhole"}
+        assert (stats["routes"]["gw"]["state"], stats["routes"]["kv"]["state"]) == ("up", "blackhole")
+        assert (stats["routes"]["gw"]["a_to_b"]["bytes"], stats["routes"]["kv"]["a_to_b"]["bytes"]) == (12, 6)
+
+        wan.cut("reset", ["gw"])  # the blackholed route keeps its connection and its frozen bytes
+        with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+            await read_n(gw_reader, 1)
+        gw_writer.transport.abort()
+        assert wan.cut_routes() == {"gw": "reset", "kv": "blackhole"}
+
+        wan.restore(["kv"])  # like TCP retransmission after the outage: nothing was lost
+        assert await read_n(kv_reader, 6) == b"frozen"
+        assert wan.stats()["cut_routes"] == {"gw": "reset"}
+        reader, writer = await connect(wan, "gw")  # still refused: only kv was restored
+        with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+            await read_n(reader, 1)
+        writer.transport.abort()
+
+        wan.restore()
+        assert wan.state == "up" and wan.stats()["cut_routes"] == {}
+        reader, writer = await connect(wan, "gw")
+        writer.write(b"again")
+        assert await read_n(reader, 5) == b"again"
+        writer.close()
+        kv_writer.close()
+
+
+def test_a_cut_naming_an_unknown_route_changes_nothing() -> None:
+    wan = WanEmulator(LinkConfig(), [Route("kv", "127.0.0.1", 0, "127.0.0.1", 1),
+                                     Route("gw", "127.0.0.1", 0, "127.0.0.1", 2)])
+    with pytest.raises(ValueError, match=r"unknown routes \['nats'\]; this emulator has \['gw', 'kv'\]"):
+        wan.cut("blackhole", ["kv", "nats"])
+    with pytest.raises(ValueError, match="name at least one route"):
+        wan.cut("blackhole", [])
+    with pytest.raises(ValueError, match="unknown routes"):
+        wan.restore(["nats"])
+    assert wan.state == "up" and wan.cut_routes() == {}
+
+
 async def test_slow_reader_backpressures_the_sender_instead_of_buffering() -> None:
     stall = Upstream("stall")
     await stall.start()
@@ -403,13 +458,17 @@ async def test_entry_point_serves_control_api_and_exits_cleanly_on_sigterm(echo:
                 stats = await resp.json()
             assert stats["a_to_b"]["bytes"] == 7 and stats["b_to_a"]["bytes"] == 7
             assert stats["link"]["bandwidth_bps"] == 100e6
+            async with http.post(f"{control}/cut", params={"mode": "blackhole", "routes": "kv"}) as resp:
+                assert await resp.json() == {"state": "blackhole", "cut_routes": {"kv": "blackhole"}}
+            async with http.post(f"{control}/cut", params={"mode": "reset", "routes": "kv,nats"}) as resp:
+                assert resp.status == 400 and "unknown routes ['nats']" in (await resp.json())["error"]
             async with http.post(f"{control}/cut", params={"mode": "reset"}) as resp:
                 assert (await resp.json())["state"] == LinkState.RESET.value
             with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
                 await read_n(reader, 1)
             writer.transport.abort()
-            async with http.post(f"{control}/restore") as resp:
-                assert (await resp.json())["state"] == "up"
+            async with http.post(f"{control}/restore", params={"routes": "kv"}) as resp:
+                assert await resp.json() == {"state": "up", "cut_routes": {}}
             async with http.post(f"{control}/link", json={"bandwidth_mbps": 20, "delay_ms": 1}) as resp:
                 assert resp.status == 200 and (await resp.json())["bandwidth_bps"] == 20e6
             async with http.post(f"{control}/link", json={"delay_ms": -3}) as resp:

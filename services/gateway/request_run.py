@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 
 from shared import bus, messages, subjects, tracing
 from shared.config import GatewayConfig
-from shared.errors import DeadlineExceeded, PddError, PeerGone, ProtocolError
+from shared.errors import DeadlineExceeded, PddError, PeerGone, ProtocolError, RequestAborted
 from shared.messages import (Abort, Handoff, HandoffStats, KVReceived, MainLost, PrefillDone, RequestFailed,
                              TokenChunk)
 from shared.sampling import SamplingParams
@@ -94,6 +94,7 @@ class RequestRun:
 
     def __init__(self, nc: NATS, req: GenerationRequest, config: GatewayConfig, start_attempt: StartAttempt,
                  release: Callable[[Attempt], None], is_alive: Callable[[str], bool] | None = None,
+                 probe: Callable[[str, str], Awaitable[bool]] | None = None,
                  on_prefill: Callable[[PrefillDone], None] | None = None,
                  on_recovery: Callable[[str], None] | None = None) -> None:
         self.nc = nc
@@ -104,6 +105,7 @@ class RequestRun:
         self._start_attempt = start_attempt
         self._release = release
         self._is_alive = is_alive
+        self._probe = probe
         self._on_prefill = on_prefill
         self._on_recovery = on_recovery
         self.first: Attempt | None = None
@@ -164,11 +166,14 @@ class RequestRun:
         last_event_at = next_check = time.monotonic()
         while not self.finished:
             now = time.monotonic()
-            if now - last_event_at >= self.config.token_timeout_s or now >= deadline:
+            if now >= deadline:
+                raise DeadlineExceeded(f"{self.request_id}: the request deadline "
+                                       f"({self.config.request_timeout_s:g}s) passed")
+            if now - last_event_at >= self.config.token_timeout_s:
                 raise DeadlineExceeded(f"{self.request_id}: no token for {now - last_event_at:.1f}s")
             if now >= next_check:  # also while tokens flow: RLD streaming says nothing of MD or P
                 next_check = now + WATCHDOG_S
-                await self._check_instances()
+                await self._check_instances(silent=now - last_event_at >= WATCHDOG_S)
             try:
                 async with asyncio.timeout(min(next_check, deadline) - now):
                     event = await self._events.get()
@@ -213,14 +218,19 @@ class RequestRun:
             ready.append(token_event)
         return ready
 
-    async def _check_instances(self) -> None:
-        """Notice a tier whose instance stopped sending heartbeats, before any deadline would."""
-        if self._is_alive is None:
-            return
-        for role, instance_id in list(self.attempt.instances.items()):
-            if role not in self.attempt.lost and not self._is_alive(instance_id):
-                await self._on_tier_lost(role, f"{role} instance {instance_id} stopped answering", PeerGone.code)
-                return  # a migration replaced the attempt: check the new one next time
+    async def _check_instances(self, silent: bool) -> None:
+        """Notice a lost instance before any deadline would: its heartbeats stopped or, when the
+        stream has gone quiet, NATS says nobody answers its ping (it died a moment ago)."""
+        attempt = self.attempt
+        roles = [(role, iid) for role, iid in attempt.instances.items() if role not in attempt.lost]
+        stale = [(role, iid) for role, iid in roles if self._is_alive is not None and not self._is_alive(iid)]
+        if not stale and silent and self._probe is not None:
+            answers = await asyncio.gather(*(self._probe(role, iid) for role, iid in roles))
+            stale = [(role, iid) for (role, iid), alive in zip(roles, answers) if not alive]
+        if stale and self.attempt is attempt:
+            role, instance_id = stale[0]
+            await self._on_tier_lost(role, f"{role} instance {instance_id} stopped answering", PeerGone.code)
+            # a migration may have replaced the attempt: check the new one next time
 
     async def _on_tier_lost(self, tier: str, message: str, code: str) -> None:
         attempt = self.attempt
@@ -248,7 +258,8 @@ class RequestRun:
                 attempt.request_id, self.token_ids[attempt.output_offset:], finished=False, start=0, final=True,
                 mode="recovery"))
         else:
-            self.lost_instances.add(attempt.instances[tier])
+            if code != RequestAborted.code:  # "aborted": the instance let the request go, it is not at fault
+                self.lost_instances.add(attempt.instances[tier])
             await self._migrate(tier, message)
 
     async def _migrate(self, tier: str, reason: str) -> None:

@@ -5,6 +5,7 @@ Dispatcher; instances are known from their heartbeats.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from aiohttp import web
@@ -16,6 +17,7 @@ from shared.config import GatewayConfig, read_secret
 from shared.errors import PddError
 from shared.messages import CacheEvents, Heartbeat
 from shared.metrics import GatewayMetrics
+from shared.subjects import ROLES
 from shared.models import load_tokenizer, max_context_tokens, resolve_model, served_model_name
 from services.gateway.admission import Admission
 from services.gateway.cache_index import MainCacheIndex
@@ -29,6 +31,7 @@ from services.gateway.trace_store import OtlpReceiver, TraceStore
 
 log = logging.getLogger(__name__)
 
+HEALTH_PING_TIMEOUT_S = 0.5
 STALE_HEARTBEATS = 3.5  # an instance is gone after this many missed heartbeat intervals
 
 
@@ -88,9 +91,16 @@ class GatewayService:
         self.cache_index.apply(events.instance_id, events.events)
 
     async def _healthz(self, request: web.Request) -> web.Response:
-        counts = self.registry.counts()
+        """Healthy when every role has an instance that answers a ping now. Heartbeats alone only
+        prove the path from the instance to here; after a WAN cut the other direction may lag."""
+        heard = {role: [i.heartbeat.instance_id for i in self.registry.alive(role)] for role in ROLES}
+        answers = await asyncio.gather(*(bus.ping(self.nc, subjects.ping(role, iid), HEALTH_PING_TIMEOUT_S)
+                                         for role, ids in heard.items() for iid in ids))
+        answering = iter(answers)
+        counts = {role: sum(next(answering) is True for _ in ids) for role, ids in heard.items()}
         ok = all(counts.values()) and self.nc.is_connected
-        return web.json_response({"status": "ok" if ok else "degraded", "instances": counts},
+        return web.json_response({"status": "ok" if ok else "degraded", "instances": counts,
+                                  "heard": {role: len(ids) for role, ids in heard.items()}},
                                  status=200 if ok else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:

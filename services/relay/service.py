@@ -12,8 +12,8 @@ from nats.aio.msg import Msg
 
 from shared import bus, messages, subjects
 from shared.decoder_service import DecodeRequest, DecoderService
-from shared.errors import DeadlineExceeded, PddError
-from shared.messages import Handoff, KVReady, MainLost
+from shared.errors import DeadlineExceeded, PddError, RequestAborted
+from shared.messages import Handoff, KVReady, MainLost, RequestFailed
 from shared.model_runner import DecodeSequence
 from services.relay.handoff import HandoffMode, HandoffPlan, Step, choose_mode
 
@@ -37,7 +37,13 @@ class RelayService(DecoderService):
         except PddError:
             return
         request = self.requests.get(lost.request_id)
-        if request is not None and not request.main_lost:
+        if request is None:
+            # RLD let the request go (it made its final handoff); MD, now lost, had it alone.
+            # Say so, or the gateway would wait for tokens nobody makes until the deadline.
+            await bus.publish(self.nc, subjects.request_events(lost.request_id), RequestFailed(
+                lost.request_id, self.role, RequestAborted.code, "RLD no longer holds the request: it had handed off"))
+            return
+        if not request.main_lost:
             log.warning("%s: MD lost (%s); RLD finishes the request", lost.request_id, lost.reason)
             request.main_lost = True
             self.finished_without_main += 1
