@@ -7,9 +7,9 @@ compared with an undisturbed run of the same request. Faults:
 
 - `main-decoding`: P-MD, MD killed after --kill-at tokens: the request migrates (to RLD alone,
   the stack's only other decoder).
-- `relay-before-cut`: P-RLD-MD with MD's KV held back, RLD killed after --kill-at tokens: MD
-  takes over from the tokens the client has.
-- `main-before-cut`: the same, MD killed: RLD finishes alone.
+- `relay-before-cut`: P-RLD-MD with the cut pinned at token 100 (MD holds its KV long before),
+  RLD killed after --kill-at tokens: MD takes over from the tokens the client has.
+- `main-before-cut`: P-RLD-MD with MD's KV held back 4 s, MD killed: RLD finishes alone.
 
     .venv/bin/python scripts/bench_recovery.py --model tiny --trials 5 --out docs/results/recovery.json
 """
@@ -30,7 +30,7 @@ from shared.launcher import LocalStack, StackConfig
 
 FAULTS = {  # name -> (role killed, the request's pdd options)
     "main-decoding": ("main", {"pipeline": "p-md"}),
-    "relay-before-cut": ("relay", {"pipeline": "p-rld-md", "md_kv_delay_ms": 4000}),
+    "relay-before-cut": ("relay", {"pipeline": "p-rld-md", "handoff_at": 100}),
     "main-before-cut": ("main", {"pipeline": "p-rld-md", "md_kv_delay_ms": 4000}),
 }
 

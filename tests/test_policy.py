@@ -116,3 +116,25 @@ def test_the_fail_policy_fails_everything_but_what_needs_no_recovery() -> None:
     assert on_tier_lost(_state("p-md", streamed=0, prefill_done=False, policy="fail"), "prefill") is Action.FAIL
     assert on_tier_lost(_state(policy="fail"), "prefill") is Action.IGNORE
     assert on_tier_lost(_state(cut_done=True, policy="fail"), "relay") is Action.IGNORE
+
+
+def test_an_instance_whose_ping_finds_nobody_is_gone_until_it_beats_again() -> None:
+    import time
+
+    from services.gateway.registry import InstanceRegistry
+    from shared.messages import Heartbeat
+
+    def beat(sent_at: float) -> Heartbeat:
+        return Heartbeat("main", "md-1", "127.0.0.1", 1, "m", 0, 0, sent_at)
+
+    registry = InstanceRegistry(stale_after_s=60)
+    registry.observe(beat(time.time()))
+    registry.pick("main")
+    assert [i.heartbeat.instance_id for i in registry.in_use()] == ["md-1"]
+    late = beat(time.time())  # sent before the process died, delivered after the ping found nobody
+    registry.mark_gone("md-1")
+    assert not registry.is_alive("md-1") and registry.alive("main") == [] and registry.in_use() == []
+    registry.observe(late)
+    assert not registry.is_alive("md-1"), "a heartbeat older than the death notice changes nothing"
+    registry.observe(beat(time.time() + 1))  # restarted under the same id
+    assert registry.is_alive("md-1") and len(registry.alive("main")) == 1

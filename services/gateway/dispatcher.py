@@ -30,7 +30,6 @@ from services.gateway.request_run import Attempt, GenerationRequest, RequestRun
 log = logging.getLogger(__name__)
 
 ASSIGN_TIMEOUT_S = 5.0
-PROBE_TIMEOUT_S = 0.3  # a ping that slow proves nothing either way; the heartbeats still decide
 NO_MAIN_REASON = "no main decode reachable: RLD serves alone"
 
 
@@ -66,7 +65,7 @@ class Dispatcher:
     async def start(self, req: GenerationRequest) -> RequestRun:
         """Dispatch a new request; its RequestRun comes back here for each migration."""
         run = RequestRun(self.nc, req, self.config, self.dispatch, self._release, is_alive=self.registry.is_alive,
-                         probe=self._probe, on_prefill=self.telemetry.observe_prefill, on_recovery=self._count_recovery)
+                         on_prefill=self.telemetry.observe_prefill, on_recovery=self._count_recovery)
         await run.start()
         return run
 
@@ -190,13 +189,6 @@ class Dispatcher:
             await bus.publish(self.nc, subjects.abort(), Abort(attempt.request_id, "dispatch failed"))
         except Exception as exc:  # the tiers' own deadlines still free it
             log.warning("%s: abort not broadcast: %s", attempt.request_id, exc)
-
-    async def _probe(self, role: str, instance_id: str) -> bool:
-        """Is the instance there? False only when NATS knows it is not."""
-        if await bus.ping(self.nc, subjects.ping(role, instance_id), PROBE_TIMEOUT_S) is not False:
-            return True
-        self.registry.suspect(instance_id)  # skip it for new requests before its heartbeats go stale
-        return False
 
     def _count_recovery(self, action: str) -> None:
         self.counters[f"recovery.{action}"] += 1

@@ -15,6 +15,7 @@ class Instance:
     heartbeat: Heartbeat
     last_seen: float
     in_flight: int = 0  # this gateway's requests on the instance now (exact, unlike the heartbeat)
+    gone_at: float | None = None  # wall time NATS said nobody answers its ping: dead until it beats again
 
     @property
     def load(self) -> int:
@@ -24,8 +25,8 @@ class Instance:
 
 
 class InstanceRegistry:
-    """Live instances by role. An instance is dropped when its heartbeats stop, and skipped for
-    a while when a call to it failed (it may be dead before its heartbeats go stale)."""
+    """Live instances by role. An instance is dropped when its heartbeats stop or its ping finds
+    nobody (services/gateway/liveness.py), and skipped for a while when a call to it failed."""
 
     def __init__(self, stale_after_s: float, suspect_for_s: float = 5.0) -> None:
         self.stale_after_s = stale_after_s
@@ -35,7 +36,19 @@ class InstanceRegistry:
 
     def observe(self, heartbeat: Heartbeat) -> None:
         known = self._instances.get(heartbeat.instance_id)
+        if known is not None and known.gone_at is not None and heartbeat.sent_at <= known.gone_at:
+            return  # sent before it died, arriving late
         self._instances[heartbeat.instance_id] = Instance(heartbeat, time.monotonic(), known.in_flight if known else 0)
+
+    def mark_gone(self, instance_id: str) -> None:
+        """NATS says nobody answers the instance's ping: it is dead, whatever its last heartbeat says."""
+        instance = self._instances.get(instance_id)
+        if instance is not None and instance.gone_at is None:
+            instance.gone_at = time.time()
+
+    def in_use(self) -> list[Instance]:
+        """Instances this gateway has requests on (whose death must be noticed fast)."""
+        return [i for i in self._instances.values() if i.in_flight > 0 and i.gone_at is None]
 
     def done(self, instance_id: str) -> None:
         """A request picked on this instance ended."""
@@ -50,12 +63,13 @@ class InstanceRegistry:
         now = time.monotonic()
         cutoff = now - self.stale_after_s
         return [i for i in self._instances.values() if i.heartbeat.role == role and i.last_seen >= cutoff
-                and self._suspect_until.get(i.heartbeat.instance_id, 0.0) <= now]
+                and i.gone_at is None and self._suspect_until.get(i.heartbeat.instance_id, 0.0) <= now]
 
     def is_alive(self, instance_id: str) -> bool:
         """Heartbeats still coming (a suspect instance may still be alive)."""
         instance = self._instances.get(instance_id)
-        return instance is not None and instance.last_seen >= time.monotonic() - self.stale_after_s
+        return (instance is not None and instance.gone_at is None
+                and instance.last_seen >= time.monotonic() - self.stale_after_s)
 
     def get(self, instance_id: str) -> Instance | None:
         return self._instances.get(instance_id)

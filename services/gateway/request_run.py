@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-WATCHDOG_S = 0.5  # how often a waiting request checks that its instances are still alive
+WATCHDOG_S = 0.25  # how often a request checks that its instances are still alive
 
 
 def new_request_id() -> str:
@@ -94,7 +94,6 @@ class RequestRun:
 
     def __init__(self, nc: NATS, req: GenerationRequest, config: GatewayConfig, start_attempt: StartAttempt,
                  release: Callable[[Attempt], None], is_alive: Callable[[str], bool] | None = None,
-                 probe: Callable[[str, str], Awaitable[bool]] | None = None,
                  on_prefill: Callable[[PrefillDone], None] | None = None,
                  on_recovery: Callable[[str], None] | None = None) -> None:
         self.nc = nc
@@ -105,7 +104,6 @@ class RequestRun:
         self._start_attempt = start_attempt
         self._release = release
         self._is_alive = is_alive
-        self._probe = probe
         self._on_prefill = on_prefill
         self._on_recovery = on_recovery
         self.first: Attempt | None = None
@@ -173,7 +171,7 @@ class RequestRun:
                 raise DeadlineExceeded(f"{self.request_id}: no token for {now - last_event_at:.1f}s")
             if now >= next_check:  # also while tokens flow: RLD streaming says nothing of MD or P
                 next_check = now + WATCHDOG_S
-                await self._check_instances(silent=now - last_event_at >= WATCHDOG_S)
+                await self._check_instances()
             try:
                 async with asyncio.timeout(min(next_check, deadline) - now):
                     event = await self._events.get()
@@ -218,19 +216,16 @@ class RequestRun:
             ready.append(token_event)
         return ready
 
-    async def _check_instances(self, silent: bool) -> None:
-        """Notice a lost instance before any deadline would: its heartbeats stopped or, when the
-        stream has gone quiet, NATS says nobody answers its ping (it died a moment ago)."""
+    async def _check_instances(self) -> None:
+        """Notice a lost instance before any deadline would: its heartbeats stopped, or its ping
+        found nobody (the gateway pings every instance in use, services/gateway/liveness.py)."""
+        if self._is_alive is None:
+            return
         attempt = self.attempt
-        roles = [(role, iid) for role, iid in attempt.instances.items() if role not in attempt.lost]
-        stale = [(role, iid) for role, iid in roles if self._is_alive is not None and not self._is_alive(iid)]
-        if not stale and silent and self._probe is not None:
-            answers = await asyncio.gather(*(self._probe(role, iid) for role, iid in roles))
-            stale = [(role, iid) for (role, iid), alive in zip(roles, answers) if not alive]
-        if stale and self.attempt is attempt:
-            role, instance_id = stale[0]
-            await self._on_tier_lost(role, f"{role} instance {instance_id} stopped answering", PeerGone.code)
-            # a migration may have replaced the attempt: check the new one next time
+        for role, instance_id in list(attempt.instances.items()):
+            if role not in attempt.lost and not self._is_alive(instance_id):
+                await self._on_tier_lost(role, f"{role} instance {instance_id} stopped answering", PeerGone.code)
+                return  # a migration may have replaced the attempt: check the new one next time
 
     async def _on_tier_lost(self, tier: str, message: str, code: str) -> None:
         attempt = self.attempt
