@@ -122,8 +122,12 @@ class DecoderService:
                  "kv_refused_connections": self.receiver.refused_connections,
                  "frames_dropped": self.receiver.frames_dropped, **self.role_stats(), **self.engine.stats(),
                  **(self.prefix_cache.gauges() if self.prefix_cache is not None else {})}
+        held: dict[str, list[str]] = {}
+        for request in self.requests.values():
+            if request.assign.owner:
+                held.setdefault(request.assign.owner, []).append(request.request_id)
         return Heartbeat(self.role, self.instance_id, self.config.advertise_host, self.advertise_port,
-                         self.layout.model_id, len(self.requests), self.engine.waiting, now(), {}, stats)
+                         self.layout.model_id, len(self.requests), self.engine.waiting, now(), {}, stats, held)
 
     async def _on_assign(self, msg: Msg) -> None:
         try:

@@ -30,6 +30,7 @@ class Heartbeat:
     sent_at: float
     link_bytes_per_s: dict[str, float] = field(default_factory=dict)  # P: measured KV throughput per decoder
     stats: dict[str, float] = field(default_factory=dict)  # gauges: open inboxes/transfers, cache use, locks
+    held: dict[str, list[str]] = field(default_factory=dict)  # decoders: gateway id -> request ids held for it
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class DecodeAssign:
     handoff_at: int | None = None  # test knob: RLD hands off after exactly this many tokens
     trace_context: dict[str, str] = field(default_factory=dict)
     handoff_mode: str | None = None  # "one-shot" | "catch-up" | None: RLD's own policy (--handoff-mode)
+    owner: str = ""  # the gateway that dispatched it: the one that may call it orphaned (Heartbeat.held)
     output_offset: int = 0  # a migrated request: output tokens the client already has (the prompt ends with
     # them); the sampler draws token i as output token output_offset + i, and TokenChunk indices stay local
 

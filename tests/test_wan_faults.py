@@ -41,7 +41,8 @@ PROMPT_TOKENS = 80
 HANDOFF_AT, HANDOFF_MAX_TOKENS = 100, 130
 SETTLE_S = TOKEN_TIMEOUT_S + 15  # a request still open this long after the cut hangs
 HEAL_TIMEOUT_S = 30.0
-CLEAN_TIMEOUT_S = REQUEST_TIMEOUT_S + 10  # a tier no abort reaches lets go at its request deadline
+CLEAN_TIMEOUT_S = 5.0  # after the heal; an Abort the cut link lost comes again with MD's next heartbeat,
+# well before the request deadline (REQUEST_TIMEOUT_S after the cut) would free it
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from shared import bus, subjects, tracing
 from shared.config import GatewayConfig
 from shared.errors import DeadlineExceeded, PeerGone
 from shared.metrics import GatewayMetrics
-from shared.messages import (Abort, DecodeAccepted, DecodeAssign, KVTarget, PrefillAccepted, PrefillDone,
+from shared.messages import (Abort, DecodeAccepted, DecodeAssign, Heartbeat, KVTarget, PrefillAccepted, PrefillDone,
                              PrefillRequest)
 from services.gateway.cache_index import MainCacheIndex
 from services.gateway.policy import LinkEstimate, PipelineDecision, PolicyConfig, choose_pipeline
@@ -61,6 +61,7 @@ class Dispatcher:
         self.policy = PolicyConfig(config.ttft_slo_s, config.ttft_budget_fraction, config.skip_wan_max_tokens,
                                    config.wan_mbps_guess * 1e6 / 8, config.prefill_tokens_per_s_guess)
         self.tracer = tracing.tracer("pdd.gateway")
+        self.active: set[str] = set()  # ids of the attempts in flight (see abort_orphans)
 
     async def start(self, req: GenerationRequest) -> RequestRun:
         """Dispatch a new request; its RequestRun comes back here for each migration."""
@@ -151,6 +152,7 @@ class Dispatcher:
         attempt = Attempt(req, output_offset, pipeline, decision,
                           {role: instance.heartbeat.instance_id for role, instance in chosen.items()})
         attempt.subscription = await self.nc.subscribe(subjects.request_events(req.request_id), cb=on_event)
+        self.active.add(req.request_id)
         try:
             with self.tracer.start_as_current_span("gateway.dispatch") as span:
                 span.set_attributes({
@@ -163,7 +165,7 @@ class Dispatcher:
                 assign = DecodeAssign(
                     req.request_id, pipeline, req.prompt_ids, req.sampling, attempt.instances.get("relay"),
                     attempt.instances.get("main", ""), self.config.request_timeout_s, req.handoff_at,
-                    handoff_mode=req.handoff_mode, output_offset=output_offset)
+                    handoff_mode=req.handoff_mode, owner=self.config.common.instance_id, output_offset=output_offset)
                 decoders = [(role, chosen[role]) for role in ("main", "relay") if role in chosen]
                 accepted = await asyncio.gather(*(self._call(role, inst, assign, headers) for role, inst in decoders))
                 targets = [KVTarget(role, acc.kv_host, acc.kv_port, acc.cached_tokens,
@@ -189,6 +191,20 @@ class Dispatcher:
             await bus.publish(self.nc, subjects.abort(), Abort(attempt.request_id, "dispatch failed"))
         except Exception as exc:  # the tiers' own deadlines still free it
             log.warning("%s: abort not broadcast: %s", attempt.request_id, exc)
+
+    async def abort_orphans(self, heartbeat: Heartbeat) -> None:
+        """Abort again what an instance still holds for this gateway but the gateway let go.
+
+        An Abort is a NATS broadcast; one sent while the WAN link was down never reached MD, which
+        would hold the request (its KV, its inbox) until its own deadline. Its heartbeats list what
+        it holds, per owner, so the next one after the link heals brings the Abort again. An Abort
+        is idempotent: one for a request that is ending anyway changes nothing.
+        """
+        orphans = [rid for rid in heartbeat.held.get(self.config.common.instance_id, ()) if rid not in self.active]
+        for request_id in orphans:
+            log.warning("%s still holds %s, which this gateway let go: aborting it again",
+                        heartbeat.instance_id, request_id)
+            await bus.publish(self.nc, subjects.abort(), Abort(request_id, "orphaned"))
 
     def _count_recovery(self, action: str) -> None:
         self.counters[f"recovery.{action}"] += 1
@@ -216,6 +232,7 @@ class Dispatcher:
                if self.telemetry.prefill_tokens_per_s is not None else {})})
 
     def _release(self, attempt: Attempt) -> None:
+        self.active.discard(attempt.request_id)
         for instance_id in attempt.instances.values():
             self.registry.done(instance_id)
 

@@ -39,6 +39,7 @@ STALE_HEARTBEATS = 3.5  # an instance is gone after this many missed heartbeat i
 class GatewayService:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
+        self.dispatcher: Dispatcher | None = None  # made once NATS is connected
         path = resolve_model(config.model)
         self.tokenizer = load_tokenizer(path)
         self.served_model = served_model_name(path)
@@ -82,7 +83,10 @@ class GatewayService:
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:
-            self.registry.observe(messages.decode_as(msg.data, Heartbeat))
+            heartbeat = messages.decode_as(msg.data, Heartbeat)
+            self.registry.observe(heartbeat)
+            if heartbeat.held and self.dispatcher is not None:
+                await self.dispatcher.abort_orphans(heartbeat)
         except PddError as exc:
             log.debug("bad heartbeat: %s", exc)
 
