@@ -53,3 +53,16 @@ async def busy_instance(nats_url: str, role: str, timeout_s: float = 10.0) -> st
             return await found
     finally:
         await nc.close()
+
+
+async def abandon_stream(session, api_url: str, prompt: list[int], max_tokens: int, after_chunks: int,
+                         pdd: dict) -> None:
+    """Stream a completion and walk away after `after_chunks` SSE lines, as a client that disconnects."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "pdd": pdd}
+    async with session.post(api_url + "/v1/completions", json=body) as resp:
+        seen = 0
+        async for _ in resp.content:
+            seen += 1
+            if seen >= after_chunks:
+                break
+        resp.close()

@@ -11,7 +11,7 @@ import pytest
 from shared.api_client import ApiError, stream_completion
 from shared.launcher import LocalStack, StackConfig
 
-from helpers import fresh_heartbeats, random_prompt
+from helpers import abandon_stream, fresh_heartbeats, random_prompt
 
 BEAT = ["--heartbeat-s", "0.25"]
 TOKEN_TIMEOUT_S = 20
@@ -195,18 +195,6 @@ async def test_services_survive_a_nats_restart(stack, session, tiny_generate):
     assert after.token_ids == tiny_generate(p, 16)
 
 
-async def _abandon(session, stack, p: list[int], after_chunks: int, pipeline: str) -> None:
-    body = {"prompt": p, "max_tokens": 100, "temperature": 0, "stream": True,
-            "pdd": {"pipeline": pipeline, "md_kv_delay_ms": 30}}
-    async with session.post(stack.api_url + "/v1/completions", json=body) as resp:
-        seen = 0
-        async for _ in resp.content:
-            seen += 1
-            if seen >= after_chunks:
-                break
-        resp.close()
-
-
 
 async def test_two_hundred_random_aborts_leave_nothing_behind(stack, session):
     await healthy(session, stack)
@@ -214,8 +202,9 @@ async def test_two_hundred_random_aborts_leave_nothing_behind(stack, session):
     base = prompt(8, 200)
     for wave in range(5):
         await asyncio.gather(*(
-            _abandon(session, stack, base[:rng.randrange(20, 200)] + prompt(1000 + wave * 40 + i, rng.randrange(1, 40)),
-                     rng.randrange(0, 15), rng.choice(["p-md", "p-rld-md"]))
+            abandon_stream(session, stack.api_url,
+                           base[:rng.randrange(20, 200)] + prompt(1000 + wave * 40 + i, rng.randrange(1, 40)), 100,
+                           rng.randrange(0, 15), {"pipeline": rng.choice(["p-md", "p-rld-md"]), "md_kv_delay_ms": 30})
             for i in range(40)))
     await asyncio.sleep(1.0)
     for beat in (await fresh_heartbeats(stack.nats_url)).values():

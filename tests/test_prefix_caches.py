@@ -10,7 +10,7 @@ import pytest
 from shared.api_client import stream_completion
 from shared.launcher import LocalStack, StackConfig
 
-from helpers import fresh_heartbeats, random_prompt
+from helpers import abandon_stream, fresh_heartbeats, random_prompt
 
 P_CACHE_TOKENS = 300  # small on purpose: a long prompt does not fit, so MD's hit can exceed P's
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 16 * 4  # tiny model: layers x (K, V) x kv heads x head dim x fp32
@@ -96,24 +96,15 @@ async def test_multi_turn_session_sends_only_each_turns_new_tokens_to_main(stack
         history = history + result.token_ids + random_prompt(100 + turn, 30)  # answer + tool output
 
 
-
-async def _abandon(session, stack, prompt: list[int], after_chunks: int) -> None:
-    body = {"prompt": prompt, "max_tokens": 200, "temperature": 0, "stream": True,
-            "pdd": {"pipeline": random.Random(after_chunks).choice(["p-md", "p-rld-md"]), "md_kv_delay_ms": 50}}
-    async with session.post(stack.api_url + "/v1/completions", json=body) as resp:
-        seen = 0
-        async for _ in resp.content:
-            seen += 1
-            if seen >= after_chunks:
-                break
-        resp.close()  # the client walks away mid-stream
-
-
 async def test_abort_storm_leaves_no_lock_inbox_or_transfer(stack, session):
     rng = random.Random(7)
     base = random_prompt(8, 250)
     prompts = [base[:rng.randrange(50, 250)] + random_prompt(200 + i, rng.randrange(1, 60)) for i in range(40)]
-    await asyncio.gather(*(_abandon(session, stack, p, rng.randrange(0, 12)) for p in prompts))
+    walk_away_after = [rng.randrange(0, 12) for _ in prompts]  # SSE lines each client reads before it leaves
+    await asyncio.gather(*(
+        abandon_stream(session, stack.api_url, p, 200, after,
+                       {"pipeline": random.Random(after).choice(["p-md", "p-rld-md"]), "md_kv_delay_ms": 50})
+        for p, after in zip(prompts, walk_away_after)))
     await asyncio.sleep(1.0)  # aborts propagate
     beats = await fresh_heartbeats(stack.nats_url)
     for beat in beats.values():
