@@ -129,12 +129,38 @@ def test_an_instance_whose_ping_finds_nobody_is_gone_until_it_beats_again() -> N
 
     registry = InstanceRegistry(stale_after_s=60)
     registry.observe(beat(time.time()))
-    registry.pick("main")
-    assert [i.heartbeat.instance_id for i in registry.in_use()] == ["md-1"]
+    assert [i.heartbeat.instance_id for i in registry.watched()] == ["md-1"]
     late = beat(time.time())  # sent before the process died, delivered after the ping found nobody
     registry.mark_gone("md-1")
-    assert not registry.is_alive("md-1") and registry.alive("main") == [] and registry.in_use() == []
+    assert not registry.is_alive("md-1") and registry.alive("main") == [] and registry.watched() == []
     registry.observe(late)
     assert not registry.is_alive("md-1"), "a heartbeat older than the death notice changes nothing"
     registry.observe(beat(time.time() + 1))  # restarted under the same id
     assert registry.is_alive("md-1") and len(registry.alive("main")) == 1
+
+
+def test_the_prefill_model_separates_a_fixed_cost_from_a_per_token_cost() -> None:
+    from services.gateway.telemetry import Telemetry, fit_prefill
+
+    assert fit_prefill([(100, 0.2), (100, 0.21)]) is None, "one size says nothing of the slope"
+    telemetry = Telemetry()
+    for n in (20, 50, 100, 400, 800):
+        telemetry.observe_prefill(n, 0.1 + n / 1000)
+    model = telemetry.prefill
+    assert abs(model.fixed_s - 0.1) < 1e-9 and abs(model.tokens_per_s - 1000) < 1e-6
+    assert abs(model.seconds(30) - 0.13) < 1e-9
+    through_origin = fit_prefill([(100, 0.05), (200, 0.2), (300, 0.3)])  # noise puts the intercept below 0
+    assert through_origin.fixed_s == 0.0 and through_origin.tokens_per_s > 0
+    telemetry.observe_round_trip("md-1", 0.05)
+    telemetry.observe_round_trip("md-1", 0.10)
+    assert 0.05 < telemetry.round_trip_s["md-1"] < 0.10
+
+
+def test_the_predicted_main_start_counts_the_fixed_costs() -> None:
+    bare = LinkEstimate(link_bytes_per_s=1e9, prefill_tokens_per_s=1e4, main_queue_s=0.0)
+    costly = LinkEstimate(link_bytes_per_s=1e9, prefill_tokens_per_s=1e4, main_queue_s=0.0, prefill_fixed_s=0.2,
+                          round_trip_s=0.06)
+    small = dict(prompt_tokens=100, max_tokens=64, main_hit_tokens=60, kv_bytes_per_token=46080)
+    fast = choose_pipeline(CONFIG, estimate=bare, **small)
+    slow = choose_pipeline(CONFIG, estimate=costly, **small)
+    assert abs(slow.predicted_main_ready_s - fast.predicted_main_ready_s - 0.26) < 1e-9

@@ -26,26 +26,12 @@ from services.gateway.cache_index import MainCacheIndex
 from services.gateway.policy import LinkEstimate, PipelineDecision, PolicyConfig, choose_pipeline
 from services.gateway.registry import Instance, InstanceRegistry
 from services.gateway.request_run import Attempt, GenerationRequest, RequestRun
+from services.gateway.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
 ASSIGN_TIMEOUT_S = 5.0
 NO_MAIN_REASON = "no main decode reachable: RLD serves alone"
-
-
-class Telemetry:
-    """What the gateway has measured about the stack, for the policy's predictions."""
-
-    def __init__(self, alpha: float = 0.3) -> None:
-        self.alpha = alpha
-        self.prefill_tokens_per_s: float | None = None
-
-    def observe_prefill(self, done: PrefillDone) -> None:
-        if done.computed_tokens < 16 or done.prefill_s <= 0:
-            return  # tiny prefills measure overheads, not throughput
-        rate = done.computed_tokens / done.prefill_s
-        old = self.prefill_tokens_per_s
-        self.prefill_tokens_per_s = rate if old is None else old + self.alpha * (rate - old)
 
 
 class Dispatcher:
@@ -66,7 +52,7 @@ class Dispatcher:
     async def start(self, req: GenerationRequest) -> RequestRun:
         """Dispatch a new request; its RequestRun comes back here for each migration."""
         run = RequestRun(self.nc, req, self.config, self.dispatch, self._release, is_alive=self.registry.is_alive,
-                         on_prefill=self.telemetry.observe_prefill, on_recovery=self._count_recovery)
+                         on_prefill=self._observe_prefill, on_recovery=self._count_recovery)
         await run.start()
         return run
 
@@ -104,10 +90,13 @@ class Dispatcher:
 
     def _decide(self, req: GenerationRequest, main: Instance, main_hit: int, prefill: Instance) -> PipelineDecision:
         md = main.heartbeat
+        prefill_model = self.telemetry.prefill
         estimate = LinkEstimate(
             link_bytes_per_s=prefill.heartbeat.link_bytes_per_s.get(f"{md.kv_host}:{md.kv_port}"),
-            prefill_tokens_per_s=self.telemetry.prefill_tokens_per_s,
-            main_queue_s=max(0, main.load - 1) * self.config.decode_step_s_guess)  # load counts this request
+            prefill_tokens_per_s=prefill_model.tokens_per_s if prefill_model else None,
+            main_queue_s=max(0, main.load - 1) * self.config.decode_step_s_guess,  # load counts this request
+            prefill_fixed_s=prefill_model.fixed_s if prefill_model else 0.0,
+            round_trip_s=self.telemetry.round_trip_s.get(md.instance_id, 0.0))
         kv_bytes_per_token = int(prefill.heartbeat.stats.get("kv_bytes_per_token", 0))
         decision = choose_pipeline(self.policy, len(req.prompt_ids), req.sampling.max_tokens, main_hit,
                                    kv_bytes_per_token, estimate)
@@ -206,6 +195,9 @@ class Dispatcher:
                         heartbeat.instance_id, request_id)
             await bus.publish(self.nc, subjects.abort(), Abort(request_id, "orphaned"))
 
+    def _observe_prefill(self, done: PrefillDone) -> None:
+        self.telemetry.observe_prefill(done.computed_tokens, done.prefill_s)
+
     def _count_recovery(self, action: str) -> None:
         self.counters[f"recovery.{action}"] += 1
         self.metrics.recoveries.labels(action).inc()
@@ -228,8 +220,10 @@ class Dispatcher:
             "pdd.instance.prefill": prefill.instance_id,
             **({"pdd.main_load": main.load, "pdd.instance.main": main.heartbeat.instance_id} if main else {}),
             **({"pdd.link_bytes_per_s": link} if link is not None else {}),
-            **({"pdd.prefill_tokens_per_s": self.telemetry.prefill_tokens_per_s}
-               if self.telemetry.prefill_tokens_per_s is not None else {})})
+            **({"pdd.prefill_tokens_per_s": self.telemetry.prefill.tokens_per_s,
+                "pdd.prefill_fixed_s": self.telemetry.prefill.fixed_s} if self.telemetry.prefill else {}),
+            **({"pdd.main_round_trip_s": self.telemetry.round_trip_s[main.heartbeat.instance_id]}
+               if main is not None and main.heartbeat.instance_id in self.telemetry.round_trip_s else {})})
 
     def _release(self, attempt: Attempt) -> None:
         self.active.discard(attempt.request_id)

@@ -2,7 +2,8 @@
 
 The gateway predicts when MD could emit the first token: P must compute the tokens MD lacks
 and send their KV over the WAN (the two overlap, since KV streams out chunk by chunk), after
-MD's queue. If that fits the TTFT budget (a fraction of the TTFT SLO) the request goes P-MD;
+MD's queue, plus P's fixed cost per prefill and a round trip to MD (the assign's answer, then
+the KV's last byte). If that fits the TTFT budget (a fraction of the TTFT SLO) the request goes P-MD;
 otherwise RLD covers the wait. P-RLD is never planned, except by the anomalous-traffic filter:
 a request so short (max_tokens at most `skip_wan_max_tokens`) that RLD will finish it before any
 KV could reach MD skips the WAN transfer from the start (counted: it leaves MD's cache behind).
@@ -33,6 +34,8 @@ class LinkEstimate:
     link_bytes_per_s: float | None  # measured by P (moving average); None before any sample
     prefill_tokens_per_s: float | None  # measured from P's reports
     main_queue_s: float  # work already waiting on that MD
+    prefill_fixed_s: float = 0.0  # P's cost per prefill whatever its length (fitted)
+    round_trip_s: float = 0.0  # gateway <-> MD: the assign's answer, then the KV's last byte, each half of it
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,8 @@ def choose_pipeline(config: PolicyConfig, prompt_tokens: int, max_tokens: int, m
     wan_bytes = missing * kv_bytes_per_token
     link = estimate.link_bytes_per_s or config.default_link_bytes_per_s
     prefill_rate = estimate.prefill_tokens_per_s or config.default_prefill_tokens_per_s
-    predicted = estimate.main_queue_s + max(missing / prefill_rate, wan_bytes / link)
+    predicted = (estimate.main_queue_s + estimate.round_trip_s + estimate.prefill_fixed_s
+                 + max(missing / prefill_rate, wan_bytes / link))
     budget = config.budget_s
     if config.skip_wan_max_tokens and max_tokens <= config.skip_wan_max_tokens and predicted > budget:
         return PipelineDecision("p-rld", "short output: RLD finishes before MD could start", main_hit_tokens,

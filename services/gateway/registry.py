@@ -46,9 +46,10 @@ class InstanceRegistry:
         if instance is not None and instance.gone_at is None:
             instance.gone_at = time.time()
 
-    def in_use(self) -> list[Instance]:
-        """Instances this gateway has requests on (whose death must be noticed fast)."""
-        return [i for i in self._instances.values() if i.in_flight > 0 and i.gone_at is None]
+    def watched(self) -> list[Instance]:
+        """Instances believed alive (fresh heartbeats, not gone), suspects included: the ones to ping."""
+        cutoff = time.monotonic() - self.stale_after_s
+        return [i for i in self._instances.values() if i.gone_at is None and i.last_seen >= cutoff]
 
     def done(self, instance_id: str) -> None:
         """A request picked on this instance ended."""

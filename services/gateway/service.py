@@ -24,7 +24,7 @@ from services.gateway.cache_index import MainCacheIndex
 from services.gateway.dashboard import DashboardHandlers
 from services.gateway.dispatcher import Dispatcher
 from services.gateway.http_errors import error_middleware
-from services.gateway.liveness import ping_instances_in_use
+from services.gateway.liveness import ping_instances
 from services.gateway.openai_api import OpenAIHandlers
 from services.gateway.registry import InstanceRegistry
 from services.gateway.request_telemetry import RequestTelemetry, tracing_middleware
@@ -58,7 +58,8 @@ class GatewayService:
         await self.nc.subscribe(subjects.heartbeat_all(), cb=self._on_heartbeat)
         await self.nc.subscribe(subjects.cache_events_all(), cb=self._on_cache_events)
         self.dispatcher = Dispatcher(self.nc, self.registry, self.config, self.cache_index, metrics=self.metrics)
-        self.liveness = asyncio.create_task(ping_instances_in_use(self.nc, self.registry), name="liveness")
+        self.liveness = asyncio.create_task(
+            ping_instances(self.nc, self.registry, self.dispatcher.telemetry.observe_round_trip), name="liveness")
         api_key = read_secret(self.config.api_key_file)
         self.admission = Admission(self.config.max_running_requests, api_key.decode() if api_key else None)
         handlers = OpenAIHandlers(self.dispatcher, self.tokenizer, self.served_model, self.config,

@@ -1,0 +1,58 @@
+"""What the gateway has measured about the stack, for the policy's predictions. Plain logic.
+
+- P's prefill time as a fixed cost plus a per-token cost, fitted by least squares to P's recent
+  PrefillDone reports (a rate alone would call a 30-token prefill nearly free, which it is not).
+- The round trip to each instance, from the liveness pings (services/gateway/liveness.py).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+PREFILL_SAMPLES = 64
+RTT_ALPHA = 0.2
+
+
+@dataclass(frozen=True)
+class PrefillModel:
+    fixed_s: float
+    tokens_per_s: float
+
+    def seconds(self, tokens: int) -> float:
+        return self.fixed_s + tokens / self.tokens_per_s
+
+
+def fit_prefill(samples: list[tuple[int, float]]) -> PrefillModel | None:
+    """Least squares of seconds = fixed + tokens / rate; None until two different sizes were seen.
+    A negative fixed cost (noise) is clamped to 0 with the rate refitted through the origin."""
+    if len({n for n, _ in samples}) < 2:
+        return None
+    count = len(samples)
+    mean_n = sum(n for n, _ in samples) / count
+    mean_s = sum(s for _, s in samples) / count
+    var_n = sum((n - mean_n) ** 2 for n, _ in samples)
+    slope = sum((n - mean_n) * (s - mean_s) for n, s in samples) / var_n
+    fixed = mean_s - slope * mean_n
+    if slope <= 0:
+        return None
+    if fixed < 0:
+        slope = sum(n * s for n, s in samples) / sum(n * n for n, _ in samples)
+        fixed = 0.0
+    return PrefillModel(fixed, 1.0 / slope)
+
+
+class Telemetry:
+    def __init__(self) -> None:
+        self._prefills: deque[tuple[int, float]] = deque(maxlen=PREFILL_SAMPLES)
+        self.prefill: PrefillModel | None = None
+        self.round_trip_s: dict[str, float] = {}  # instance id -> smoothed ping round trip
+
+    def observe_prefill(self, computed_tokens: int, prefill_s: float) -> None:
+        if computed_tokens <= 0 or prefill_s <= 0:
+            return
+        self._prefills.append((computed_tokens, prefill_s))
+        self.prefill = fit_prefill(list(self._prefills))
+
+    def observe_round_trip(self, instance_id: str, seconds: float) -> None:
+        old = self.round_trip_s.get(instance_id)
+        self.round_trip_s[instance_id] = seconds if old is None else old + RTT_ALPHA * (seconds - old)
