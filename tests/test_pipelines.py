@@ -54,6 +54,10 @@ async def test_every_pipeline_matches_generate(stack, session, prompts, tiny_tok
             assert main_kv["cached_tokens"] + main_kv["kv_tokens"] == len(prompt_ids) - 1
         if pipeline == "p-md":
             assert set(result.tiers) == {"main"}
+            # P reports once its KV is sent, long before MD's 24th token
+            prefill = result.summary["prefill"]
+            assert prefill["computed_tokens"] == len(prompt_ids) - 1 - result.summary["cached_tokens"]["prefill"]
+            assert prefill["prefill_s"] > 0
         else:
             assert result.tiers[0] == "relay", "RLD has the KV first and must make the first token"
             assert result.summary["kv"]["relay"]["kv_tokens"] == len(prompt_ids) - 1

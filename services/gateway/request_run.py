@@ -303,6 +303,8 @@ class RequestRun:
             "cached_tokens": {"prefill": self.cached_tokens, "main": self.main_cached_tokens},
             "kv": {tier: {"cached_tokens": kv.cached_tokens, "kv_tokens": kv.kv_tokens, "kv_bytes": kv.kv_bytes,
                           "kv_wait_s": round(kv.kv_wait_s, 6)} for tier, kv in self.kv_received.items()},
+            "prefill": None if self.prefill is None else {
+                "computed_tokens": self.prefill.computed_tokens, "prefill_s": round(self.prefill.prefill_s, 6)},
             "ttft_s": None if self.first_token_at is None else round(self.first_token_at - self.started_at, 6),
             "instances": self.instances,
             "recovery": self.recovery,
