@@ -51,7 +51,7 @@ class Dispatcher:
 
     async def start(self, req: GenerationRequest) -> RequestRun:
         """Dispatch a new request; its RequestRun comes back here for each migration."""
-        run = RequestRun(self.nc, req, self.config, self.dispatch, self._release, is_alive=self.registry.is_alive,
+        run = RequestRun(self.nc, req, self.config, self.dispatch, self.stop_attempt, is_alive=self.registry.is_alive,
                          on_prefill=self._observe_prefill, on_recovery=self._count_recovery)
         await run.start()
         return run
@@ -167,18 +167,22 @@ class Dispatcher:
                 span.set_attributes({"pdd.prefill_cached_tokens": attempt.cached_tokens,
                                      "pdd.main_cached_tokens": attempt.main_cached_tokens})
         except BaseException:
-            await self._abandon(attempt)
+            await self.stop_attempt(attempt, "dispatch failed")  # whoever accepted drops it
             raise
         return attempt
 
-    async def _abandon(self, attempt: Attempt) -> None:
-        """A dispatch that failed half way: whoever accepted drops the attempt."""
-        self._release(attempt)
+    async def stop_attempt(self, attempt: Attempt, reason: str) -> None:
+        """Idempotent per attempt: stop listening, free its instances, tell every tier to drop it."""
+        if attempt.subscription is None:
+            return
         subscription, attempt.subscription = attempt.subscription, None
+        self.active.discard(attempt.request_id)
+        for instance_id in attempt.instances.values():
+            self.registry.done(instance_id)
         await subscription.unsubscribe()
         try:
-            await bus.publish(self.nc, subjects.abort(), Abort(attempt.request_id, "dispatch failed"))
-        except Exception as exc:  # the tiers' own deadlines still free it
+            await bus.publish(self.nc, subjects.abort(), Abort(attempt.request_id, reason))
+        except Exception as exc:  # the tiers' own deadlines still free the attempt
             log.warning("%s: abort not broadcast: %s", attempt.request_id, exc)
 
     async def abort_orphans(self, heartbeat: Heartbeat) -> None:
@@ -224,11 +228,6 @@ class Dispatcher:
                 "pdd.prefill_fixed_s": self.telemetry.prefill.fixed_s} if self.telemetry.prefill else {}),
             **({"pdd.main_round_trip_s": self.telemetry.round_trip_s[main.heartbeat.instance_id]}
                if main is not None and main.heartbeat.instance_id in self.telemetry.round_trip_s else {})})
-
-    def _release(self, attempt: Attempt) -> None:
-        self.active.discard(attempt.request_id)
-        for instance_id in attempt.instances.values():
-            self.registry.done(instance_id)
 
     async def _call(self, role: str, instance: Instance, msg: object, headers: dict[str, str]) -> object:
         instance_id = instance.heartbeat.instance_id

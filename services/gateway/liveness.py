@@ -40,6 +40,7 @@ async def _ping(nc: NATS, registry: InstanceRegistry, beat: Heartbeat, on_round_
     started = time.monotonic()
     answer = await bus.ping(nc, subjects.ping(beat.role, beat.instance_id), timeout_s)
     if answer is True:
+        registry.mark_answered(beat.instance_id)
         on_round_trip(beat.instance_id, time.monotonic() - started)
     elif answer is False:
         log.warning("%s %s: nobody answers its ping: gone", beat.role, beat.instance_id)

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 from shared.errors import PeerGone
 from shared.messages import Heartbeat
-from shared.subjects import ROLES
 
 
 @dataclass
@@ -16,6 +15,7 @@ class Instance:
     last_seen: float
     in_flight: int = 0  # this gateway's requests on the instance now (exact, unlike the heartbeat)
     gone_at: float | None = None  # wall time NATS said nobody answers its ping: dead until it beats again
+    answered_at: float | None = None  # monotonic time its last ping was answered (both ways open)
 
     @property
     def load(self) -> int:
@@ -38,13 +38,25 @@ class InstanceRegistry:
         known = self._instances.get(heartbeat.instance_id)
         if known is not None and known.gone_at is not None and heartbeat.sent_at <= known.gone_at:
             return  # sent before it died, arriving late
-        self._instances[heartbeat.instance_id] = Instance(heartbeat, time.monotonic(), known.in_flight if known else 0)
+        self._instances[heartbeat.instance_id] = Instance(
+            heartbeat, time.monotonic(), known.in_flight if known else 0,
+            answered_at=known.answered_at if known else None)
 
     def mark_gone(self, instance_id: str) -> None:
         """NATS says nobody answers the instance's ping: it is dead, whatever its last heartbeat says."""
         instance = self._instances.get(instance_id)
         if instance is not None and instance.gone_at is None:
             instance.gone_at = time.time()
+
+    def mark_answered(self, instance_id: str) -> None:
+        instance = self._instances.get(instance_id)
+        if instance is not None:
+            instance.answered_at = time.monotonic()
+
+    def answering(self, role: str, within_s: float) -> list[Instance]:
+        """Live instances of `role` whose ping was answered within the last `within_s`."""
+        cutoff = time.monotonic() - within_s
+        return [i for i in self.alive(role) if i.answered_at is not None and i.answered_at >= cutoff]
 
     def watched(self) -> list[Instance]:
         """Instances believed alive (fresh heartbeats, not gone), suspects included: the ones to ping."""
@@ -86,5 +98,3 @@ class InstanceRegistry:
         chosen.in_flight += 1
         return chosen
 
-    def counts(self) -> dict[str, int]:
-        return {role: len(self.alive(role)) for role in ROLES}

@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 from shared import bus, messages, subjects, tracing
 from shared.config import GatewayConfig
 from shared.errors import DeadlineExceeded, PddError, PeerGone, ProtocolError, RequestAborted
-from shared.messages import (Abort, Handoff, HandoffStats, KVReceived, MainLost, PrefillDone, RequestFailed,
+from shared.messages import (Handoff, HandoffStats, KVReceived, MainLost, PrefillDone, RequestFailed,
                              TokenChunk)
 from shared.sampling import SamplingParams
 from services.gateway.recovery import Action, RunState, on_tier_lost
@@ -93,7 +93,7 @@ class RequestRun:
     """One request in flight: its current attempt, merge state and outcome."""
 
     def __init__(self, nc: NATS, req: GenerationRequest, config: GatewayConfig, start_attempt: StartAttempt,
-                 release: Callable[[Attempt], None], is_alive: Callable[[str], bool] | None = None,
+                 stop_attempt: Callable[[Attempt, str], Awaitable[None]], is_alive: Callable[[str], bool] | None = None,
                  on_prefill: Callable[[PrefillDone], None] | None = None,
                  on_recovery: Callable[[str], None] | None = None) -> None:
         self.nc = nc
@@ -102,7 +102,7 @@ class RequestRun:
         self.config = config
         self.failure_policy = req.failure_policy or config.failure_policy
         self._start_attempt = start_attempt
-        self._release = release
+        self._stop_attempt = stop_attempt  # idempotent per attempt
         self._is_alive = is_alive
         self._on_prefill = on_prefill
         self._on_recovery = on_recovery
@@ -274,18 +274,6 @@ class RequestRun:
         self.migrations.append({"after_tokens": len(streamed), "lost": tier, "pipeline": self.attempt.pipeline,
                                 "instances": dict(self.attempt.instances), "attempt_id": moved.request_id})
         log.warning("%s: migrated after %d tokens to %s", self.request_id, len(streamed), self.attempt.instances)
-
-    async def _stop_attempt(self, attempt: Attempt, reason: str) -> None:
-        """Idempotent per attempt: stop listening, free its instances, tell every tier to drop it."""
-        if attempt.subscription is None:
-            return
-        subscription, attempt.subscription = attempt.subscription, None
-        self._release(attempt)
-        await subscription.unsubscribe()
-        try:
-            await bus.publish(self.nc, subjects.abort(), Abort(attempt.request_id, reason))
-        except Exception as exc:  # the tiers' own deadlines still free the attempt
-            log.warning("%s: abort not broadcast: %s", attempt.request_id, exc)
 
     async def close(self, reason: str) -> None:
         """Idempotent: end the current attempt."""
