@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 
@@ -66,3 +67,11 @@ async def abandon_stream(session, api_url: str, prompt: list[int], max_tokens: i
             if seen >= after_chunks:
                 break
         resp.close()
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -24,15 +24,9 @@ from shared.demo import DemoOptions, TierPainter, run_demo
 from shared.launcher import NATS, SERVICES, LocalStack, StackConfig, StackError
 from shared.models import served_model_name
 
+from helpers import process_alive
+
 STARTUP_TIMEOUT_S = 150.0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _group_alive(pgid: int) -> bool:
@@ -57,7 +51,7 @@ async def test_a_service_that_exits_fails_the_start_with_its_log_tail(tmp_path: 
         await stack.start()
     pids = [p.pid for p in stack.processes.values()]
     assert set(stack.processes) == {NATS, *SERVICES}
-    assert not any(_alive(pid) for pid in pids), "a failed start stops everything it started"
+    assert not any(process_alive(pid) for pid in pids), "a failed start stops everything it started"
 
 
 @pytest.mark.timeout(60)
@@ -149,7 +143,7 @@ async def test_pdd_up_prints_the_api_url_and_exits_0_on_sigterm_leaving_no_proce
             rest, _ = await proc.communicate()
         output.append(rest.decode())
         assert proc.returncode == 0, "".join(output)
-        assert not [role for role, pid in pids.items() if _alive(pid)]
+        assert not [role for role, pid in pids.items() if process_alive(pid)]
         assert not (log_dir / "stack.json").exists()
     finally:
         if proc.returncode is None:
@@ -231,7 +225,7 @@ async def test_a_killed_role_can_be_restarted(stack: LocalStack) -> None:
 async def test_stop_leaves_no_process_of_the_stack(stack: LocalStack) -> None:
     pids = {role: proc.pid for role, proc in stack.processes.items()}
     await stack.stop()
-    assert not [role for role, pid in pids.items() if _alive(pid) or _group_alive(pid)]
+    assert not [role for role, pid in pids.items() if process_alive(pid) or _group_alive(pid)]
     assert all(proc.returncode is not None for proc in stack.processes.values())
     assert not stack.state_path.exists()
     await stack.stop()  # idempotent

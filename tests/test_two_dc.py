@@ -8,7 +8,6 @@ Timing bounds are loose on purpose: the machine may have two shared cores.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import time
 from collections.abc import AsyncIterator, Callable
@@ -27,6 +26,8 @@ from shared.launcher import (MD_KV_ROUTE, NATS, NATS_B, NATS_GW_A_ROUTE, NATS_GW
                              StackConfig, StackError)
 from shared.models import load_model
 from shared.wan_emulator import WanStats
+
+from helpers import process_alive
 
 STARTUP_TIMEOUT_S = 150.0
 CHUNK_TOKENS = 64
@@ -266,16 +267,8 @@ async def test_stop_leaves_no_process_of_the_two_dc_stack(stack: LocalStack) -> 
     pids = {role: proc.pid for role, proc in stack.processes.items()}
     await stack.stop()
     assert all(proc.returncode is not None for proc in stack.processes.values())
-    assert not [role for role, pid in pids.items() if _alive(pid)]
+    assert not [role for role, pid in pids.items() if process_alive(pid)]
     assert not stack.state_path.exists()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 # --- P in float32, decoders in bfloat16 (last: the stack above is stopped by now) ---------------

@@ -23,6 +23,16 @@ def _by_workload(results: list[Json]) -> dict[str, list[Json]]:
     return groups
 
 
+def _save(fig, ax, path: Path) -> Path:
+    """Grid, legend, tight layout; write the PNG and free the figure."""
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def ttft_cdf(results: list[Json], workload: str, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in results:
@@ -30,12 +40,7 @@ def ttft_cdf(results: list[Json], workload: str, path: Path) -> Path:
         if ttft_s:
             ax.step(ttft_s, np.arange(1, len(ttft_s) + 1) / len(ttft_s), where="post", label=r["mode"])
     ax.set(xlabel="TTFT (s)", ylabel="fraction of requests", title=f"TTFT CDF, {workload}", ylim=(0, 1.02))
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path)
 
 
 def _per_mode_points(results: list[Json], y_of) -> dict[str, list[tuple[float, float]]]:
@@ -52,12 +57,7 @@ def _line_plot(lines: dict[str, list[tuple[float, float]]], ylabel: str, title: 
         xs, ys = zip(*points)
         ax.plot([100 * x for x in xs], ys, marker="o", label=mode)
     ax.set(xlabel="mean prefix hit rate (%)", ylabel=ylabel, title=title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path)
 
 
 def wan_bytes_vs_hit(results: list[Json], path: Path) -> Path:
