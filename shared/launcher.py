@@ -65,6 +65,9 @@ class StackError(RuntimeError):
     """The stack could not start (a process exited, a port was taken, or a deadline passed)."""
 
 
+PICKED_PORTS_FROM = 20000  # free_port picks from here up to the ephemeral range
+
+
 def default_torch_threads() -> int:
     """Three model processes share the machine: give each a third of the cores, at least one."""
     return max(1, (os.cpu_count() or 1) // len(MODEL_ROLES))
@@ -155,9 +158,25 @@ class StackConfig:
 
 
 def free_port(host: str = LOOPBACK) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port free now, for a process started later to bind. It is picked below the kernel's
+    ephemeral range, so no bind to port 0 and no outgoing connection can take it in between
+    (the WAN emulator binds its routes to port 0 while the nats-servers' ports wait)."""
+    low, _ = _ephemeral_port_range()
+    candidates = range(PICKED_PORTS_FROM, low) if low - PICKED_PORTS_FROM >= 1000 else range(0)
+    for port in secrets.SystemRandom().sample(candidates, min(64, len(candidates))):
+        if _port_is_free(host, port):
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below the range: any port
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_port_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def _port_is_free(host: str, port: int) -> bool:
