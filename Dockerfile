@@ -52,6 +52,7 @@ COPY --from=models /opt/pdd/models /opt/pdd/models
 WORKDIR /app
 COPY shared /app/shared
 COPY services /app/services
+COPY wan /app/wan
 # Containers listen on every interface; P reaches decoders at the address they advertise.
 ENV PYTHONPATH=/app \
     PDD_HOME=/opt/pdd/models \

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import aiohttp
 
-from shared.api_client import stream_completion
-from shared.launcher import LocalStack, StackConfig
+from tools.api_client import stream_completion
+from tools.launcher import LocalStack, StackConfig
 
 
 async def run(args: argparse.Namespace) -> list[dict]:

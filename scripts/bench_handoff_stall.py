@@ -19,8 +19,8 @@ from pathlib import Path
 
 import aiohttp
 
-from shared.api_client import stream_completion
-from shared.launcher import LocalStack, StackConfig
+from tools.api_client import stream_completion
+from tools.launcher import LocalStack, StackConfig
 
 
 def stall_around_cut(gaps: list[float], cut: int, window: int = 2) -> float:

@@ -33,12 +33,12 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from shared.api_client import stream_completion
+from tools.api_client import stream_completion
 from shared.kv_transfer import KVReceiver, KVSender, OutgoingTransfer, TransferState
-from shared.launcher import LocalStack, StackConfig
+from tools.launcher import LocalStack, StackConfig
 from shared.messages import KVTarget
 from shared.models import KVLayout
-from shared.wan_emulator import LinkConfig, Route, WanEmulator
+from wan.emulator import LinkConfig, Route, WanEmulator
 
 SMOLLM2_LAYOUT = KVLayout("bench-smollm2-layout", num_layers=30, kv_heads=3, head_dim=64)
 CHUNK_TOKENS = 256  # P's default --chunk-tokens: KV leaves P a chunk at a time

@@ -3,7 +3,7 @@ with P's cache on and off, over multi-turn agent sessions at mean prefix hit rat
 
 Three one-datacenter P-MD stacks replay the same sessions one request at a time: caches on; MD's
 DRC off; both off. Bytes MD receives are what would cross the WAN in two datacenters. Built on
-shared/bench (workloads, replay, metrics); prints a markdown table and writes it with the raw
+tools/bench (workloads, replay, metrics); prints a markdown table and writes it with the raw
 results under --out.
 """
 from __future__ import annotations
@@ -20,11 +20,11 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from shared.bench import report
-from shared.bench.config import AgenticOptions, BenchConfig, LoadOptions, StackOptions
-from shared.bench.modes import MODES, stack_config
-from shared.bench.runner import RunResult, plan_workloads, run_on_stack
-from shared.launcher import LocalStack
+from tools.bench import report
+from tools.bench.config import AgenticOptions, BenchConfig, LoadOptions, StackOptions
+from tools.bench.modes import MODES, stack_config
+from tools.bench.runner import RunResult, plan_workloads, run_on_stack
+from tools.launcher import LocalStack
 
 TARGET_RATIO_AT_90 = 1 / 8
 # name -> (MD's DRC on, P's cache on)

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import aiohttp
 
-from shared.api_client import StreamResult, stream_completion
-from shared.launcher import LocalStack, StackConfig
+from tools.api_client import StreamResult, stream_completion
+from tools.launcher import LocalStack, StackConfig
 
 FAULTS = {  # name -> (role killed, the request's pdd options)
     "main-decoding": ("main", {"pipeline": "p-md"}),

@@ -27,8 +27,8 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.api_client import StreamResult, stream_completion  # noqa: E402
-from shared.launcher import LocalStack, StackConfig, free_port  # noqa: E402
+from tools.api_client import StreamResult, stream_completion  # noqa: E402
+from tools.launcher import LocalStack, StackConfig, free_port  # noqa: E402
 
 ROLES = ("gateway", "prefill", "relay", "main")
 MODES = {

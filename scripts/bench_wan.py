@@ -1,6 +1,6 @@
 """Benchmark the WAN emulator: top throughput unlimited, and achieved rate at set bandwidths/delays.
 
-Runs `python -m shared.wan_main` as its own process (as in deployment), drives it from blocking
+Runs `python -m wan` as its own process (as in deployment), drives it from blocking
 sockets on threads (cheap next to the emulator), changes the link over the control API between
 cases, and prints a markdown table; `--out FILE` also writes the results as JSON.
 """
@@ -102,7 +102,7 @@ def _control(base_url: str, path: str, body: dict[str, object] | None = None) ->
 
 def _start_emulator(sink_port: int, echo_port: int) -> tuple[subprocess.Popen[str], dict[str, int], str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shared.wan_main", "--route", f"bulk=127.0.0.1:0->127.0.0.1:{sink_port}",
+        [sys.executable, "-m", "wan", "--route", f"bulk=127.0.0.1:0->127.0.0.1:{sink_port}",
          "--route", f"echo=127.0.0.1:0->127.0.0.1:{echo_port}", "--control-port", "0", "--log-level", "WARNING"],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import aiohttp
 
-from shared.api_client import ApiError, stream_completion
-from shared.launcher import LocalStack, StackConfig
+from tools.api_client import ApiError, stream_completion
+from tools.launcher import LocalStack, StackConfig
 
 
 def rss_mib(pid: int) -> float:

@@ -1,7 +1,7 @@
 """Service configuration: frozen dataclasses built from flags and PDD_* environment variables.
 
 This module is the one place where flags are declared; every service's __main__ calls
-`<Role>Config.from_argv()`. The launcher builds the same flags (see shared/launcher.py), so a
+`<Role>Config.from_argv()`. The launcher builds the same flags (see tools/launcher.py), so a
 flag named there and not here fails at start.
 """
 from __future__ import annotations

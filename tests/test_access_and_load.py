@@ -10,8 +10,8 @@ import orjson
 import pytest
 
 from shared import bus, kv_wire, messages, subjects
-from shared.api_client import ApiError, stream_completion
-from shared.launcher import LocalStack, StackConfig
+from tools.api_client import ApiError, stream_completion
+from tools.launcher import LocalStack, StackConfig
 
 API_KEY = "test-key-123"
 MAX_RUNNING = 2

@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from shared.bench import report
-from shared.bench.cli import add_bench_parser, config_from_args, finish_report
-from shared.bench.config import (AgenticOptions, BenchConfig, LoadOptions, MooncakeOptions, Slo, StackOptions,
+from tools.bench import report
+from tools.bench.cli import add_bench_parser, config_from_args, finish_report
+from tools.bench.config import (AgenticOptions, BenchConfig, LoadOptions, MooncakeOptions, Slo, StackOptions,
                                  SyntheticOptions, WanLink)
-from shared.bench.metrics import handoff_stall_s, summarize, tpot_s
-from shared.bench.modes import MODES, stack_config, unavailable_reason
-from shared.bench.replay import RequestRecord
-from shared.bench.runner import RunResult, plan_workloads, run_on_stack
-from shared.bench.workloads import agentic_workload, mooncake_workload, synthetic_workload
-from shared.launcher import LocalStack
+from tools.bench.metrics import handoff_stall_s, summarize, tpot_s
+from tools.bench.modes import MODES, stack_config, unavailable_reason
+from tools.bench.replay import RequestRecord
+from tools.bench.runner import RunResult, plan_workloads, run_on_stack
+from tools.bench.workloads import agentic_workload, mooncake_workload, synthetic_workload
+from tools.launcher import LocalStack
 
 # Modes whose stacks differ only in the gateway's default pipeline share one: their requests name
 # their pipeline (or leave it to the policy), and each mode replays its own tokens (its own seed).
@@ -183,7 +183,7 @@ def test_cli_flags_build_the_config(tmp_path):
 
 
 def test_plots_need_only_results_json(bench, tmp_path):
-    plots = pytest.importorskip("shared.bench.plots")
+    plots = pytest.importorskip("tools.bench.plots")
     cfg, _ = bench
     written = plots.write_plots(report.load_results(cfg.out_dir), tmp_path)
     assert written and all(p.stat().st_size > 1000 for p in written)

@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from shared.config import DecoderConfig, GatewayConfig, PrefillConfig
-from shared.wan_main import WanMainConfig
+from wan.main import WanMainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE_DIR = REPO / "compose"
@@ -51,7 +51,7 @@ ENTRY_POINTS = {
     "services.main": EntryPoint(partial(DecoderConfig.parser, "main"),
                                 partial(DecoderConfig.from_argv, "main")),
     "services.gateway": EntryPoint(GatewayConfig.parser, GatewayConfig.from_argv),
-    "shared.wan_main": EntryPoint(WanMainConfig.parser, WanMainConfig.from_argv),
+    "wan": EntryPoint(WanMainConfig.parser, WanMainConfig.from_argv),
 }
 NON_FLAG_ENV = {"PDD_HOME"}  # read by shared/models.py: where converted checkpoints live
 OUR_BUILD = {"context": "..", "dockerfile": "Dockerfile"}
@@ -367,11 +367,11 @@ def _one_service(command: list[str], environment: dict[str, str] | None = None) 
     (_one_service(["services.gateway", "--pipeline", "p-x-md"]), "invalid choice: 'p-x-md'"),
     (_one_service(["services.relay", "--kv-port", "ninety"]), "invalid int value: 'ninety'"),
     (_one_service(["services.nonexistent"]), "module 'services.nonexistent' does not exist"),
-    (_one_service(["shared.wan_main", "--bandwidth-mbps", "10"]), "--route"),
+    (_one_service(["wan", "--bandwidth-mbps", "10"]), "--route"),
     (_one_service(["services.main"], {"PDD_KV_PROT": "9200"}), "PDD_KV_PROT sets no flag of services.main"),
     (_one_service(["services.gateway"], {"PDD_KV_PORT": "9200"}), "PDD_KV_PORT sets no flag of services.gateway"),
-    (_one_service(["shared.wan_main", "--route", "kv=1->h:2"], {"PDD_LOG_LEVEL": "INFO"}),
-     "PDD_LOG_LEVEL sets no flag of shared.wan_main"),
+    (_one_service(["wan", "--route", "kv=1->h:2"], {"PDD_LOG_LEVEL": "INFO"}),
+     "PDD_LOG_LEVEL sets no flag of wan"),
     (_one_service(["services.main"], {"PDD_KV_PORT": "ninety"}), "ninety"),
 ], ids=["bogus-flag", "bad-choice", "bad-int", "no-module", "missing-required-flag", "misspelt-env",
         "env-of-another-role", "env-without-wan-prefix", "env-bad-value"])
@@ -431,7 +431,7 @@ def test_model_conversion_needs_only_the_files_the_image_copies_for_it() -> None
 def test_laptop_kv_path_to_main_decode_runs_through_the_wan_emulator() -> None:
     compose = load_compose(COMPOSE_DIR / "laptop.yaml")
     ((main_name, main),) = services_running(compose, "services.main").items()
-    ((wan_name, wan),) = services_running(compose, "shared.wan_main").items()
+    ((wan_name, wan),) = services_running(compose, "wan").items()
     main_config: DecoderConfig = parsed_config(main)  # type: ignore[assignment]
     wan_config: WanMainConfig = parsed_config(wan)  # type: ignore[assignment]
 
@@ -445,7 +445,7 @@ def test_laptop_kv_path_to_main_decode_runs_through_the_wan_emulator() -> None:
 
 def test_laptop_nats_gateway_runs_through_the_wan_emulator() -> None:
     compose = load_compose(COMPOSE_DIR / "laptop.yaml")
-    ((wan_name, wan),) = services_running(compose, "shared.wan_main").items()
+    ((wan_name, wan),) = services_running(compose, "wan").items()
     routes = {r.listen_port: r for r in parsed_config(wan).routes}  # type: ignore[attr-defined]
     conf = (COMPOSE_DIR / "nats/laptop.conf").read_text()
     gateway_port = int(re.search(r"gateway \{.*?^\s*port: (\d+)", conf, re.S | re.M).group(1))  # type: ignore[union-attr]

@@ -16,8 +16,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from shared.api_client import StreamResult, stream_completion
-from shared.launcher import LocalStack, StackConfig, free_port
+from tools.api_client import StreamResult, stream_completion
+from tools.launcher import LocalStack, StackConfig, free_port
 
 TRACE_WAIT_S = 20.0
 BROWSER_TIMEOUT_S = 90.0

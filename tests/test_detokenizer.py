@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.gateway.detokenizer import IncrementalDetokenizer, OutputText, StopStringFilter
+from services.gateway.http.detokenizer import IncrementalDetokenizer, OutputText, StopStringFilter
 from shared.models import load_tokenizer, resolve_model
 
 TEXTS = [

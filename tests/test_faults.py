@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from shared.api_client import ApiError, stream_completion
-from shared.launcher import LocalStack, StackConfig
+from tools.api_client import ApiError, stream_completion
+from tools.launcher import LocalStack, StackConfig
 
 from helpers import abandon_stream, fresh_heartbeats, random_prompt
 

@@ -5,8 +5,8 @@ import asyncio
 
 import pytest
 
-from shared.api_client import stream_completion
-from shared.launcher import LocalStack, StackConfig
+from tools.api_client import stream_completion
+from tools.launcher import LocalStack, StackConfig
 
 from helpers import fresh_heartbeats, random_prompt
 

@@ -20,8 +20,8 @@ import nats
 import pytest
 
 from shared.config import DEFAULT_MAX_PAYLOAD_BYTES
-from shared.demo import DemoOptions, TierPainter, run_demo
-from shared.launcher import NATS, SERVICES, LocalStack, StackConfig, StackError
+from tools.demo import DemoOptions, TierPainter, run_demo
+from tools.launcher import NATS, SERVICES, LocalStack, StackConfig, StackError
 from shared.models import served_model_name
 
 from helpers import process_alive
@@ -113,7 +113,7 @@ async def test_demo_marks_each_tier_and_the_handoff_where_md_takes_over() -> Non
 
 def _pdd_command() -> list[str]:
     script = Path(sys.executable).parent / "pdd"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "shared.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "tools.cli"]
 
 
 @pytest.mark.timeout(STARTUP_TIMEOUT_S + 60)

@@ -11,8 +11,8 @@ import sys
 import aiohttp
 import pytest
 
-from shared.api_client import stream_completion
-from shared.launcher import LocalStack, StackConfig
+from tools.api_client import stream_completion
+from tools.launcher import LocalStack, StackConfig
 
 from helpers import busy_instance, random_prompt
 

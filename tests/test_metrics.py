@@ -10,9 +10,9 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.api_client import StreamResult, stream_completion
+from tools.api_client import StreamResult, stream_completion
 from shared.kv_wire import FRAME_HEADER
-from shared.launcher import LocalStack, StackConfig, free_port
+from tools.launcher import LocalStack, StackConfig, free_port
 
 MODEL_ROLES = ("prefill", "relay", "main")
 PROMPT = "Metrics should move by exactly what the responses report, no more and no less. " * 4

@@ -18,10 +18,10 @@ import pytest
 from nats.errors import Error as NatsError
 
 from shared import bus
-from shared.api_client import stream_completion
+from tools.api_client import stream_completion
 from shared.bus import NatsConfigError
 from shared.config import GatewayConfig, NatsAuth
-from shared.launcher import NATS_B, NATS_GW_A_ROUTE, NATS_GW_B_ROUTE, LocalStack, StackConfig, log_tail
+from tools.launcher import NATS_B, NATS_GW_A_ROUTE, NATS_GW_B_ROUTE, LocalStack, StackConfig, log_tail
 
 from helpers import random_prompt
 

@@ -18,10 +18,10 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.gateway.request_run import GenerationRequest, TokenEvent
-from services.gateway.http_errors import error_middleware, error_payload
-from services.gateway.openai_api import OpenAIHandlers
-from services.gateway.request_parsing import (
+from services.gateway.run.request_run import GenerationRequest, TokenEvent
+from services.gateway.http.http_errors import error_middleware, error_payload
+from services.gateway.http.openai_api import OpenAIHandlers
+from services.gateway.http.request_parsing import (
     InvalidParam, ModelNotFound, ParsedRequest, PayloadTooLarge, decode_json_body, parse_chat_request,
     parse_completion_request,
 )

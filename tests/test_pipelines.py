@@ -5,8 +5,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from shared.api_client import ApiError, stream_completion
-from shared.launcher import LocalStack, StackConfig
+from tools.api_client import ApiError, stream_completion
+from tools.launcher import LocalStack, StackConfig
 
 PROMPT_TEXTS = [
     "Hello",

@@ -5,8 +5,8 @@ import random
 
 import torch
 
-from services.gateway.cache_index import MainCacheIndex
-from services.gateway.policy import LinkEstimate, PolicyConfig, choose_pipeline
+from services.gateway.routing.cache_index import MainCacheIndex
+from services.gateway.routing.policy import LinkEstimate, PolicyConfig, choose_pipeline
 from shared.radix_cache import RadixCache
 
 CONFIG = PolicyConfig(ttft_slo_s=2.0, budget_fraction=0.5, skip_wan_max_tokens=0,
@@ -72,12 +72,12 @@ def test_index_mirrors_the_main_cache_from_its_events() -> None:
 
 def _state(pipeline="p-rld-md", cut_done=False, lost=(), streamed=5, prefill_done=True, migrations_left=2,
            policy="recover"):
-    from services.gateway.recovery import RunState
+    from services.gateway.run.recovery import RunState
     return RunState(pipeline, cut_done, frozenset(lost), streamed, prefill_done, migrations_left, policy)
 
 
 def test_recovery_before_the_cut_keeps_the_other_decoder() -> None:
-    from services.gateway.recovery import Action, on_tier_lost
+    from services.gateway.run.recovery import Action, on_tier_lost
 
     assert on_tier_lost(_state(), "main") is Action.FINISH_ON_RELAY
     assert on_tier_lost(_state(), "relay") is Action.MAIN_TAKES_OVER
@@ -88,7 +88,7 @@ def test_recovery_before_the_cut_keeps_the_other_decoder() -> None:
 
 
 def test_a_lost_streaming_decoder_migrates_within_the_limit() -> None:
-    from services.gateway.recovery import Action, on_tier_lost
+    from services.gateway.run.recovery import Action, on_tier_lost
 
     assert on_tier_lost(_state(cut_done=True), "main") is Action.MIGRATE
     assert on_tier_lost(_state(cut_done=True), "relay") is Action.IGNORE, "RLD was finished"
@@ -98,7 +98,7 @@ def test_a_lost_streaming_decoder_migrates_within_the_limit() -> None:
 
 
 def test_a_lost_prefill_is_retried_only_before_any_token() -> None:
-    from services.gateway.recovery import Action, on_tier_lost
+    from services.gateway.run.recovery import Action, on_tier_lost
 
     assert on_tier_lost(_state("p-md", streamed=0, prefill_done=False), "prefill") is Action.MIGRATE
     assert on_tier_lost(_state(streamed=0, prefill_done=False), "prefill") is Action.MIGRATE
@@ -109,7 +109,7 @@ def test_a_lost_prefill_is_retried_only_before_any_token() -> None:
 
 
 def test_the_fail_policy_fails_everything_but_what_needs_no_recovery() -> None:
-    from services.gateway.recovery import Action, on_tier_lost
+    from services.gateway.run.recovery import Action, on_tier_lost
 
     assert on_tier_lost(_state(policy="fail"), "main") is Action.FAIL
     assert on_tier_lost(_state("p-md", policy="fail"), "main") is Action.FAIL
@@ -121,7 +121,7 @@ def test_the_fail_policy_fails_everything_but_what_needs_no_recovery() -> None:
 def test_an_instance_whose_ping_finds_nobody_is_gone_until_it_beats_again() -> None:
     import time
 
-    from services.gateway.registry import InstanceRegistry
+    from services.gateway.routing.registry import InstanceRegistry
     from shared.messages import Heartbeat
 
     def beat(sent_at: float) -> Heartbeat:
@@ -140,7 +140,7 @@ def test_an_instance_whose_ping_finds_nobody_is_gone_until_it_beats_again() -> N
 
 
 def test_the_prefill_model_separates_a_fixed_cost_from_a_per_token_cost() -> None:
-    from services.gateway.telemetry import Telemetry, fit_prefill
+    from services.gateway.routing.telemetry import Telemetry, fit_prefill
 
     assert fit_prefill([(100, 0.2), (100, 0.21)]) is None, "one size says nothing of the slope"
     telemetry = Telemetry()

@@ -4,8 +4,8 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from shared.api_client import stream_completion
-from shared.launcher import LocalStack, StackConfig
+from tools.api_client import stream_completion
+from tools.launcher import LocalStack, StackConfig
 from shared.models import load_tokenizer, resolve_model
 from conftest import reference_generate
 

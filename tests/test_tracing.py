@@ -20,11 +20,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from shared.api_client import ApiError, stream_completion
+from tools.api_client import ApiError, stream_completion
 from shared.kv_wire import FRAME_HEADER
-from shared.launcher import LocalStack, StackConfig, free_port
-from services.gateway.dashboard import timeline
-from services.gateway.trace_store import TraceStore, parse_export
+from tools.launcher import LocalStack, StackConfig, free_port
+from services.gateway.observe.dashboard import timeline
+from services.gateway.observe.trace_store import TraceStore, parse_export
 
 CHUNK_TOKENS = 64
 STARTUP_TIMEOUT_S = 150.0

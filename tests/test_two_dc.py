@@ -20,12 +20,12 @@ from transformers import DynamicCache
 
 from conftest import reference_generate
 from shared import bus, messages, subjects
-from shared.api_client import ApiError, StreamResult, stream_completion
-from shared.cli import build_parser
-from shared.launcher import (MD_KV_ROUTE, NATS, NATS_B, NATS_GW_A_ROUTE, NATS_GW_B_ROUTE, SERVICES, WAN, LocalStack,
+from tools.api_client import ApiError, StreamResult, stream_completion
+from tools.cli import build_parser
+from tools.launcher import (MD_KV_ROUTE, NATS, NATS_B, NATS_GW_A_ROUTE, NATS_GW_B_ROUTE, SERVICES, WAN, LocalStack,
                              StackConfig, StackError)
 from shared.models import load_model
-from shared.wan_emulator import WanStats
+from wan.emulator import WanStats
 
 from helpers import process_alive
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from shared.wan_emulator import LinkConfig, LinkState, RateSchedule, Route, WanEmulator, load_trace
-from shared.wan_main import link_from_json, parse_route
+from wan.emulator import LinkConfig, LinkState, RateSchedule, Route, WanEmulator, load_trace
+from wan.main import link_from_json, parse_route
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MB = 1_000_000
@@ -436,7 +436,7 @@ def test_route_flags_and_link_updates_parse() -> None:
 async def test_entry_point_serves_control_api_and_exits_cleanly_on_sigterm(echo: Upstream) -> None:
     echo_port = route_to(echo).upstream_port
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "shared.wan_main", "--route", f"kv=127.0.0.1:0->127.0.0.1:{echo_port}",
+        sys.executable, "-m", "wan", "--route", f"kv=127.0.0.1:0->127.0.0.1:{echo_port}",
         "--delay-ms", "5", "--bandwidth-mbps", "100", "--control-port", "0", "--log-level", "WARNING",
         cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE)
     try:

@@ -22,8 +22,8 @@ import pytest
 from nats.aio.msg import Msg
 
 from shared import bus
-from shared.api_client import ApiError, StreamResult, stream_completion
-from shared.launcher import MD_KV_ROUTE, NATS_GW_A_ROUTE, NATS_GW_B_ROUTE, LocalStack, StackConfig
+from tools.api_client import ApiError, StreamResult, stream_completion
+from tools.launcher import MD_KV_ROUTE, NATS_GW_A_ROUTE, NATS_GW_B_ROUTE, LocalStack, StackConfig
 
 from helpers import fresh_heartbeats, random_prompt
 

@@ -1,6 +1,6 @@
 """Gateway service shell: the HTTP server, the NATS connection and the instance registry.
 
-Requests come in over the OpenAI API (services/gateway/openai_api.py) and go through the
+Requests come in over the OpenAI API (services/gateway/http/openai_api.py) and go through the
 Dispatcher; instances are known from their heartbeats.
 """
 from __future__ import annotations
@@ -19,16 +19,16 @@ from shared.messages import CacheEvents, Heartbeat
 from shared.metrics import GatewayMetrics
 from shared.subjects import ROLES
 from shared.models import load_tokenizer, max_context_tokens, resolve_model, served_model_name
-from services.gateway.admission import Admission
-from services.gateway.cache_index import MainCacheIndex
-from services.gateway.dashboard import DashboardHandlers
-from services.gateway.dispatcher import Dispatcher
-from services.gateway.http_errors import error_middleware
-from services.gateway.liveness import ping_instances
-from services.gateway.openai_api import OpenAIHandlers
-from services.gateway.registry import InstanceRegistry
-from services.gateway.request_telemetry import RequestTelemetry, tracing_middleware
-from services.gateway.trace_store import OtlpReceiver, TraceStore
+from services.gateway.http.admission import Admission
+from services.gateway.routing.cache_index import MainCacheIndex
+from services.gateway.observe.dashboard import DashboardHandlers
+from services.gateway.routing.dispatcher import Dispatcher
+from services.gateway.http.http_errors import error_middleware
+from services.gateway.routing.liveness import ping_instances
+from services.gateway.http.openai_api import OpenAIHandlers
+from services.gateway.routing.registry import InstanceRegistry
+from services.gateway.observe.request_telemetry import RequestTelemetry, tracing_middleware
+from services.gateway.observe.trace_store import OtlpReceiver, TraceStore
 
 log = logging.getLogger(__name__)
 

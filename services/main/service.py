@@ -13,7 +13,7 @@ import time
 from nats.aio.msg import Msg
 
 from shared import bus, messages, subjects
-from shared.decoder_service import DecodeRequest, DecoderService
+from services.decoder.service import DecodeRequest, DecoderService
 from shared.errors import DeadlineExceeded, PddError, ProtocolError
 from shared.kv_transfer import TransferState
 from shared.messages import Handoff, HandoffStats, KVReady

@@ -11,7 +11,7 @@ import time
 from nats.aio.msg import Msg
 
 from shared import bus, messages, subjects
-from shared.decoder_service import DecodeRequest, DecoderService
+from services.decoder.service import DecodeRequest, DecoderService
 from shared.errors import DeadlineExceeded, PddError, RequestAborted
 from shared.messages import Handoff, KVReady, MainLost, RequestFailed
 from shared.model_runner import DecodeSequence

@@ -2,7 +2,7 @@
 
 A request is served by one attempt at a time: the instances one dispatch chose. RLD's and MD's
 TokenChunks are merged by index, each exactly once, into what the client has. When a tier is
-lost, services/gateway/recovery.py says what to do; a migration stops the attempt and dispatches
+lost, services/gateway/run/recovery.py says what to do; a migration stops the attempt and dispatches
 a new one (through the Dispatcher) with the streamed tokens appended to the prompt, so the
 client's stream simply goes on. Every attempt ends with an Abort broadcast, so no tier keeps
 state for an attempt the gateway has let go.
@@ -27,10 +27,10 @@ from shared.errors import DeadlineExceeded, PddError, PeerGone, ProtocolError, R
 from shared.messages import (Handoff, HandoffStats, KVReceived, MainLost, PrefillDone, RequestFailed,
                              TokenChunk)
 from shared.sampling import SamplingParams
-from services.gateway.recovery import Action, RunState, on_tier_lost
+from services.gateway.run.recovery import Action, RunState, on_tier_lost
 
 if TYPE_CHECKING:
-    from services.gateway.policy import PipelineDecision
+    from services.gateway.routing.policy import PipelineDecision
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ class RequestRun:
 
     async def _check_instances(self) -> None:
         """Notice a lost instance before any deadline would: its heartbeats stopped, or its ping
-        found nobody (the gateway pings every instance in use, services/gateway/liveness.py)."""
+        found nobody (the gateway pings every instance in use, services/gateway/routing/liveness.py)."""
         if self._is_alive is None:
             return
         attempt = self.attempt

@@ -11,12 +11,12 @@ import sys
 import time
 from pathlib import Path
 
-from shared.bench import report
-from shared.bench.config import (WORKLOADS, AgenticOptions, BenchConfig, Costs, LoadOptions, MooncakeOptions,
+from tools.bench import report
+from tools.bench.config import (WORKLOADS, AgenticOptions, BenchConfig, Costs, LoadOptions, MooncakeOptions,
                                  Slo, StackOptions, SyntheticOptions, WanLink)
-from shared.bench.modes import MODES, NOT_AVAILABLE
-from shared.bench.runner import RunResult, run_bench, skipped_modes
-from shared.launcher import StackError
+from tools.bench.modes import MODES, NOT_AVAILABLE
+from tools.bench.runner import RunResult, run_bench, skipped_modes
+from tools.launcher import StackError
 from shared.models import DTYPES
 
 ALL_MODES = (*MODES, *NOT_AVAILABLE)
@@ -132,7 +132,7 @@ def finish_report(cfg: BenchConfig) -> list[Path]:
     written = [report.write_summary(cfg.out_dir, skipped_modes(cfg))]
     results = report.load_results(cfg.out_dir)
     try:
-        from shared.bench import plots  # matplotlib is an extra: `pip install -e '.[bench]'`
+        from tools.bench import plots  # matplotlib is an extra: `pip install -e '.[bench]'`
     except ImportError as exc:
         print(f"pdd bench: no plots ({exc}); pip install matplotlib", file=sys.stderr, flush=True)
         return written
@@ -174,7 +174,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m shared.bench.cli [flags]`: the same as `pdd bench [flags]`."""
+    """`python -m tools.bench.cli [flags]`: the same as `pdd bench [flags]`."""
     parser = argparse.ArgumentParser(prog="pdd")
     add_bench_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])

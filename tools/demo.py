@@ -14,7 +14,7 @@ from typing import Any, TextIO
 
 import aiohttp
 
-from shared.api_client import sse_events
+from tools.api_client import sse_events
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 DEFAULT_MD_KV_DELAY_MS = 400.0

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from services.gateway.trace_store import TraceStore
+from services.gateway.observe.trace_store import TraceStore
 
 Json = dict[str, object]
 SpanJson = dict  # one span as trace_store.span_json builds it

@@ -1,7 +1,7 @@
 """Dispatches a request: picks its instances and pipeline, assigns the decoders, starts P.
 
 The decoders are assigned first (so they expect the KV), then P is started. What happens after
-that, the merge of tokens and recovery from lost tiers, is services/gateway/request_run.py's;
+that, the merge of tokens and recovery from lost tiers, is services/gateway/run/request_run.py's;
 it comes back here for each migration, with the instances it must avoid.
 """
 from __future__ import annotations
@@ -22,11 +22,11 @@ from shared.errors import DeadlineExceeded, PeerGone
 from shared.metrics import GatewayMetrics
 from shared.messages import (Abort, DecodeAccepted, DecodeAssign, Heartbeat, KVTarget, PrefillAccepted, PrefillDone,
                              PrefillRequest)
-from services.gateway.cache_index import MainCacheIndex
-from services.gateway.policy import LinkEstimate, PipelineDecision, PolicyConfig, choose_pipeline
-from services.gateway.registry import Instance, InstanceRegistry
-from services.gateway.request_run import Attempt, GenerationRequest, RequestRun
-from services.gateway.telemetry import Telemetry
+from services.gateway.routing.cache_index import MainCacheIndex
+from services.gateway.routing.policy import LinkEstimate, PipelineDecision, PolicyConfig, choose_pipeline
+from services.gateway.routing.registry import Instance, InstanceRegistry
+from services.gateway.run.request_run import Attempt, GenerationRequest, RequestRun
+from services.gateway.routing.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 

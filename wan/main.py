@@ -1,7 +1,7 @@
-"""Entry point for the WAN emulator: `python -m shared.wan_main --route kv=HOST:PORT->HOST:PORT ...`.
+"""Entry point for the WAN emulator: `python -m wan --route kv=HOST:PORT->HOST:PORT ...`.
 
 Owns the flags, the optional HTTP control API (stats, cut, restore, live link changes) and the
-process lifetime; the emulation itself lives in shared/wan_emulator.py.
+process lifetime; the emulation itself lives in wan/emulator.py.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from shared.wan_emulator import LinkConfig, Route, WanEmulator, load_trace
+from wan.emulator import LinkConfig, Route, WanEmulator, load_trace
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class WanMainConfig:
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
-        p = argparse.ArgumentParser(prog="python -m shared.wan_main", description="pdd WAN emulator (TCP proxy)")
+        p = argparse.ArgumentParser(prog="python -m wan", description="pdd WAN emulator (TCP proxy)")
         p.add_argument("--route", action="append", type=parse_route, required=True,
                        help="name[@b]=[LHOST:]LPORT->UHOST:UPORT; repeat for more routes; @b: dialled from B")
         p.add_argument("--bandwidth-mbps", type=float, default=float(_env("BANDWIDTH_MBPS", "0")),

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from shared.bench.config import Costs, Slo
-from shared.bench.replay import RequestRecord
+from tools.bench.config import Costs, Slo
+from tools.bench.replay import RequestRecord
 
 Json = dict[str, object]
 PERCENTILES = (50, 90, 99)

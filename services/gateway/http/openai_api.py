@@ -16,13 +16,13 @@ import orjson
 from aiohttp import web
 from opentelemetry import trace
 
-from services.gateway.admission import Admission
-from services.gateway.detokenizer import OutputText
-from services.gateway.http_errors import error_payload
-from services.gateway.request_parsing import (ParsedRequest, PayloadTooLarge, decode_json_body, parse_chat_request,
+from services.gateway.http.admission import Admission
+from services.gateway.http.detokenizer import OutputText
+from services.gateway.http.http_errors import error_payload
+from services.gateway.http.request_parsing import (ParsedRequest, PayloadTooLarge, decode_json_body, parse_chat_request,
                                               parse_completion_request)
-from services.gateway.request_telemetry import RequestTelemetry
-from services.gateway.request_run import GenerationRequest, new_request_id
+from services.gateway.observe.request_telemetry import RequestTelemetry
+from services.gateway.run.request_run import GenerationRequest, new_request_id
 from shared import tracing
 from shared.config import GatewayConfig
 from shared.errors import DeadlineExceeded, PddError, RequestAborted
@@ -31,8 +31,8 @@ from shared.metrics import GatewayMetrics
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from services.gateway.dispatcher import Dispatcher
-    from services.gateway.request_run import RequestRun, TokenEvent
+    from services.gateway.routing.dispatcher import Dispatcher
+    from services.gateway.run.request_run import RequestRun, TokenEvent
     from shared.messages import HandoffStats
 
 log = logging.getLogger(__name__)

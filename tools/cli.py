@@ -15,10 +15,10 @@ import sys
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
-from shared.demo import DEFAULT_PROMPT, DemoError, DemoOptions, TierPainter, run_demo
-from shared.launcher import LocalStack, StackConfig, StackError
+from tools.demo import DEFAULT_PROMPT, DemoError, DemoOptions, TierPainter, run_demo
+from tools.launcher import LocalStack, StackConfig, StackError
 from shared.models import resolve_model, served_model_name
-from shared.bench.cli import add_bench_parser
+from tools.bench.cli import add_bench_parser
 
 log = logging.getLogger("pdd")
 T = TypeVar("T")

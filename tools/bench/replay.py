@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from shared.api_client import ApiError, StreamResult, stream_completion
-from shared.bench.config import LoadOptions
-from shared.bench.workloads import PlannedRequest, Workload, token_ids
+from tools.api_client import ApiError, StreamResult, stream_completion
+from tools.bench.config import LoadOptions
+from tools.bench.workloads import PlannedRequest, Workload, token_ids
 
 
 @dataclass

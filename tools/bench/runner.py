@@ -14,12 +14,12 @@ from dataclasses import asdict, dataclass, field
 import aiohttp
 from tqdm import tqdm
 
-from shared.bench import metrics
-from shared.bench.config import BenchConfig
-from shared.bench.modes import MODES, Mode, pipeline_of, request_fields, stack_config, unavailable_reason
-from shared.bench.replay import Replayer, RequestRecord, warmup_requests
-from shared.bench.workloads import Workload, agentic_workload, mooncake_workload, synthetic_workload
-from shared.launcher import MD_KV_ROUTE, LocalStack, StackConfig
+from tools.bench import metrics
+from tools.bench.config import BenchConfig
+from tools.bench.modes import MODES, Mode, pipeline_of, request_fields, stack_config, unavailable_reason
+from tools.bench.replay import Replayer, RequestRecord, warmup_requests
+from tools.bench.workloads import Workload, agentic_workload, mooncake_workload, synthetic_workload
+from tools.launcher import MD_KV_ROUTE, LocalStack, StackConfig
 from shared.models import DTYPES, kv_layout
 
 log = logging.getLogger(__name__)

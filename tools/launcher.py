@@ -35,8 +35,8 @@ import aiohttp
 from shared.config import DEFAULT_MAX_PAYLOAD_BYTES, NatsAuth
 from shared.messages import PIPELINES
 from shared.models import DTYPES, resolve_model
-from shared.nats_certs import NatsCerts, make_nats_certs
-from shared.wan_emulator import WanStats
+from tools.nats_certs import NatsCerts, make_nats_certs
+from wan.emulator import WanStats
 
 log = logging.getLogger(__name__)
 
@@ -450,7 +450,7 @@ class LocalStack:
         routes = [f"{MD_KV_ROUTE}={LOOPBACK}:0->{LOOPBACK}:{self.md_kv_port}",
                   f"{NATS_GW_A_ROUTE}={LOOPBACK}:0->{LOOPBACK}:{gateway_ports['b']}",
                   f"{NATS_GW_B_ROUTE}@b={LOOPBACK}:0->{LOOPBACK}:{gateway_ports['a']}"]
-        argv = [sys.executable, "-m", "shared.wan_main", *(a for r in routes for a in ("--route", r)),
+        argv = [sys.executable, "-m", "wan", *(a for r in routes for a in ("--route", r)),
                 "--bandwidth-mbps", str(c.wan_bandwidth_mbps), "--delay-ms", str(c.wan_delay_ms),
                 "--jitter-ms", str(c.wan_jitter_ms), "--control-host", LOOPBACK,
                 "--control-port", str(c.wan_control_port), "--log-level", c.log_level]

@@ -26,7 +26,7 @@ class Instance:
 
 class InstanceRegistry:
     """Live instances by role. An instance is dropped when its heartbeats stop or its ping finds
-    nobody (services/gateway/liveness.py), and skipped for a while when a call to it failed."""
+    nobody (services/gateway/routing/liveness.py), and skipped for a while when a call to it failed."""
 
     def __init__(self, stale_after_s: float, suspect_for_s: float = 5.0) -> None:
         self.stale_after_s = stale_after_s

@@ -17,12 +17,12 @@ from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from services.gateway.http_errors import error_payload
+from services.gateway.http.http_errors import error_payload
 from shared import tracing
 from shared.metrics import GatewayMetrics
 
 if TYPE_CHECKING:
-    from services.gateway.request_run import RequestRun
+    from services.gateway.run.request_run import RequestRun
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from shared.bench.config import AgenticOptions, MooncakeOptions, SyntheticOptions
+from tools.bench.config import AgenticOptions, MooncakeOptions, SyntheticOptions
 
 TOKEN_ID_RANGE = (100, 40000)  # inside every supported model's vocabulary, clear of special tokens
 TRACE_BLOCK_TOKENS = 512

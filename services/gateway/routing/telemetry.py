@@ -2,7 +2,7 @@
 
 - P's prefill time as a fixed cost plus a per-token cost, fitted by least squares to P's recent
   PrefillDone reports (a rate alone would call a 30-token prefill nearly free, which it is not).
-- The round trip to each instance, from the liveness pings (services/gateway/liveness.py).
+- The round trip to each instance, from the liveness pings (services/gateway/routing/liveness.py).
 """
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from services.gateway.admission import Overloaded, Unauthorized
-from services.gateway.request_parsing import ModelNotFound, PayloadTooLarge
+from services.gateway.http.admission import Overloaded, Unauthorized
+from services.gateway.http.request_parsing import ModelNotFound, PayloadTooLarge
 from shared.errors import BadRequest, DeadlineExceeded, PddError, PeerGone
 
 log = logging.getLogger(__name__)

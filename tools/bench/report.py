@@ -8,8 +8,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from shared.bench.modes import MODES
-from shared.bench.runner import RunResult
+from tools.bench.modes import MODES
+from tools.bench.runner import RunResult
 
 Json = dict[str, object]
 RESULTS_FILE = "results.json"

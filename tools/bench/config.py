@@ -1,5 +1,5 @@
 """What one `pdd bench` run is: frozen dataclasses for the stack, the load, the workloads, the WAN,
-the SLOs and the hardware costs. Built from flags in `shared/bench/cli.py`; nothing here runs.
+the SLOs and the hardware costs. Built from flags in `tools/bench/cli.py`; nothing here runs.
 """
 from __future__ import annotations
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from shared.bench.config import BenchConfig
+from tools.bench.config import BenchConfig
 from shared.config import GatewayConfig
-from shared.launcher import StackConfig
+from tools.launcher import StackConfig
 from shared.messages import DecodeAssign
 
 POLICY = "auto"  # the gateway's per-request pipeline choice
