@@ -89,6 +89,7 @@ def ensure_smollm2() -> Path:
     config.pop("quantization_config", None)
     config.pop("_model_name_or_path", None)
     config["_pdd_name"] = "SmolLM2-135M-Instruct"
+    config["architectures"] = [type(model).__name__]  # other servers (vLLM) pick the model class from it
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config, indent=2))
