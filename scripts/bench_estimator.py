@@ -19,7 +19,8 @@ from pathlib import Path
 import aiohttp
 
 from tools.api_client import stream_completion
-from tools.launcher import LocalStack, StackConfig
+from tools.launcher import LocalStack
+from tools.stack_config import StackConfig
 
 
 async def run(args: argparse.Namespace) -> list[dict]:

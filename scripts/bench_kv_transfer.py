@@ -35,7 +35,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from tools.api_client import stream_completion
 from shared.kv_transfer import KVReceiver, KVSender, OutgoingTransfer, TransferState
-from tools.launcher import LocalStack, StackConfig
+from tools.launcher import LocalStack
+from tools.stack_config import StackConfig
 from shared.messages import KVTarget
 from shared.models import KVLayout
 from wan.emulator import LinkConfig, Route, WanEmulator

@@ -26,7 +26,8 @@ from pathlib import Path
 import aiohttp
 
 from tools.api_client import StreamResult, stream_completion
-from tools.launcher import LocalStack, StackConfig
+from tools.launcher import LocalStack
+from tools.stack_config import StackConfig
 
 FAULTS = {  # name -> (role killed, the request's pdd options)
     "main-decoding": ("main", {"pipeline": "p-md"}),

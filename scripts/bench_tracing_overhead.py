@@ -28,7 +28,8 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools.api_client import StreamResult, stream_completion  # noqa: E402
-from tools.launcher import LocalStack, StackConfig, free_port  # noqa: E402
+from tools.launcher import LocalStack  # noqa: E402
+from tools.stack_config import StackConfig, free_port  # noqa: E402
 
 ROLES = ("gateway", "prefill", "relay", "main")
 MODES = {

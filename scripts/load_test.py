@@ -20,7 +20,8 @@ from pathlib import Path
 import aiohttp
 
 from tools.api_client import ApiError, stream_completion
-from tools.launcher import LocalStack, StackConfig
+from tools.launcher import LocalStack
+from tools.stack_config import StackConfig
 
 
 def rss_mib(pid: int) -> float:

@@ -11,7 +11,8 @@ import pytest
 
 from shared import bus, kv_wire, messages, subjects
 from tools.api_client import ApiError, stream_completion
-from tools.launcher import LocalStack, StackConfig
+from tools.launcher import LocalStack
+from tools.stack_config import StackConfig
 
 API_KEY = "test-key-123"
 MAX_RUNNING = 2

@@ -17,7 +17,8 @@ import aiohttp
 import pytest
 
 from tools.api_client import StreamResult, stream_completion
-from tools.launcher import LocalStack, StackConfig, free_port
+from tools.launcher import LocalStack
+from tools.stack_config import StackConfig, free_port
 
 TRACE_WAIT_S = 20.0
 BROWSER_TIMEOUT_S = 90.0
@@ -36,7 +37,7 @@ def find_chromium() -> str | None:
 async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalStack]:
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}/v1/traces"
-    config = StackConfig(model="tiny", port=port, log_dir=tmp_path_factory.mktemp("dashboard"), torch_threads=1,
+    config = StackConfig(pipeline="p-rld-md", model="tiny", port=port, log_dir=tmp_path_factory.mktemp("dashboard"), torch_threads=1,
                          chunk_tokens=64, startup_timeout_s=150,
                          extra_args={role: ["--otlp-endpoint", endpoint]
                                      for role in ("gateway", "prefill", "relay", "main")})

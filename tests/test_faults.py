@@ -9,7 +9,8 @@ import random
 import pytest
 
 from tools.api_client import ApiError, stream_completion
-from tools.launcher import LocalStack, StackConfig
+from tools.launcher import LocalStack
+from tools.stack_config import StackConfig
 
 from helpers import abandon_stream, fresh_heartbeats, random_prompt
 

@@ -21,7 +21,8 @@ import pytest
 
 from shared.config import DEFAULT_MAX_PAYLOAD_BYTES
 from tools.demo import DemoOptions, TierPainter, run_demo
-from tools.launcher import NATS, SERVICES, LocalStack, StackConfig, StackError
+from tools.launcher import LocalStack
+from tools.stack_config import NATS, SERVICES, StackConfig, StackError
 from shared.models import served_model_name
 
 from helpers import process_alive
@@ -38,7 +39,7 @@ def _group_alive(pgid: int) -> bool:
 
 
 def _tiny(tmp_path: Path, **overrides: object) -> StackConfig:
-    config = dict(model="tiny", port=0, log_dir=tmp_path / "logs", log_level="INFO",
+    config = dict(model="tiny", pipeline="p-rld-md", port=0, log_dir=tmp_path / "logs", log_level="INFO",
                   startup_timeout_s=STARTUP_TIMEOUT_S)
     config.update(overrides)
     return StackConfig(**config)  # type: ignore[arg-type]

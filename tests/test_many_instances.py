@@ -12,7 +12,8 @@ import aiohttp
 import pytest
 
 from tools.api_client import stream_completion
-from tools.launcher import LocalStack, StackConfig
+from tools.launcher import LocalStack
+from tools.stack_config import StackConfig
 
 from helpers import busy_instance, random_prompt
 

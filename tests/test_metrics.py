@@ -12,7 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tools.api_client import StreamResult, stream_completion
 from shared.kv_wire import FRAME_HEADER
-from tools.launcher import LocalStack, StackConfig, free_port
+from tools.launcher import LocalStack
+from tools.stack_config import StackConfig, free_port
 
 MODEL_ROLES = ("prefill", "relay", "main")
 PROMPT = "Metrics should move by exactly what the responses report, no more and no less. " * 4
@@ -26,7 +27,7 @@ def metrics_ports() -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 async def stack(tmp_path_factory: pytest.TempPathFactory, metrics_ports: dict[str, int]) -> AsyncIterator[LocalStack]:
-    config = StackConfig(model="tiny", port=0, log_dir=tmp_path_factory.mktemp("metrics"), torch_threads=1,
+    config = StackConfig(pipeline="p-rld-md", model="tiny", port=0, log_dir=tmp_path_factory.mktemp("metrics"), torch_threads=1,
                          chunk_tokens=64, startup_timeout_s=150,
                          extra_args={role: ["--metrics-port", str(port)] for role, port in metrics_ports.items()})
     async with LocalStack(config) as running:

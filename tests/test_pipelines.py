@@ -6,7 +6,8 @@ import openai
 import pytest
 
 from tools.api_client import ApiError, stream_completion
-from tools.launcher import LocalStack, StackConfig
+from tools.launcher import LocalStack
+from tools.stack_config import StackConfig
 
 PROMPT_TEXTS = [
     "Hello",
@@ -19,7 +20,7 @@ PROMPT_TEXTS = [
 
 @pytest.fixture(scope="module")
 async def stack(tmp_path_factory):
-    config = StackConfig(model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1,
+    config = StackConfig(pipeline="p-rld-md", model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1,
                          chunk_tokens=64, startup_timeout_s=120)
     async with LocalStack(config) as running:
         yield running

@@ -8,7 +8,8 @@ import random
 import pytest
 
 from tools.api_client import stream_completion
-from tools.launcher import LocalStack, StackConfig
+from tools.launcher import LocalStack
+from tools.stack_config import StackConfig
 
 from helpers import abandon_stream, fresh_heartbeats, random_prompt
 
@@ -20,7 +21,7 @@ HEARTBEAT_S = 0.25
 @pytest.fixture(scope="module")
 async def stack(tmp_path_factory):
     beat = ["--heartbeat-s", str(HEARTBEAT_S)]
-    config = StackConfig(model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1,
+    config = StackConfig(pipeline="p-rld-md", model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1,
                          chunk_tokens=64, startup_timeout_s=120,
                          extra_args={"prefill": ["--cache-tokens", str(P_CACHE_TOKENS), *beat],
                                      "relay": beat, "main": beat, "gateway": beat})

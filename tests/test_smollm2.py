@@ -5,7 +5,8 @@ import aiohttp
 import pytest
 
 from tools.api_client import stream_completion
-from tools.launcher import LocalStack, StackConfig
+from tools.launcher import LocalStack
+from tools.stack_config import StackConfig
 from shared.models import load_tokenizer, resolve_model
 from conftest import reference_generate
 
@@ -19,7 +20,7 @@ def smollm2_path():
 
 @pytest.fixture(scope="module")
 async def stack(smollm2_path, tmp_path_factory):
-    config = StackConfig(model="smollm2", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1,
+    config = StackConfig(pipeline="p-rld-md", model="smollm2", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1,
                          startup_timeout_s=300)
     async with LocalStack(config) as running:
         yield running

@@ -22,7 +22,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from tools.api_client import ApiError, stream_completion
 from shared.kv_wire import FRAME_HEADER
-from tools.launcher import LocalStack, StackConfig, free_port
+from tools.launcher import LocalStack
+from tools.stack_config import StackConfig, free_port
 from services.gateway.observe.dashboard import timeline
 from services.gateway.observe.trace_store import TraceStore, parse_export
 
@@ -95,7 +96,7 @@ def test_timeline_puts_children_after_their_parent_on_one_axis():
 async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalStack]:
     port = free_port()  # the gateway is every service's OTLP endpoint, so its port is chosen first
     endpoint = f"http://127.0.0.1:{port}/v1/traces"
-    config = StackConfig(
+    config = StackConfig(pipeline="p-rld-md",
         model="tiny", port=port, log_dir=tmp_path_factory.mktemp("tracing"), torch_threads=1,
         chunk_tokens=CHUNK_TOKENS, startup_timeout_s=STARTUP_TIMEOUT_S, topology="two-dc",
         wan_bandwidth_mbps=200.0, wan_delay_ms=5.0, wan_jitter_ms=0.0,

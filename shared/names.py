@@ -1,0 +1,58 @@
+"""The names pdd's services agree on, one enum each: roles, pipelines, handoff modes, failure policies
+and model dtypes. A name is spelled here once; flags, messages and checks use these.
+
+They are `StrEnum`s, so they travel in messages and flags as the plain strings docs/protocol.md gives,
+and a string read off the wire compares equal to its member.
+"""
+from __future__ import annotations
+
+import enum
+
+
+class Role(enum.StrEnum):
+    PREFILL = "prefill"
+    RELAY = "relay"
+    MAIN = "main"
+
+
+class Pipeline(enum.StrEnum):
+    P_MD = "p-md"
+    P_RLD_MD = "p-rld-md"
+    P_RLD = "p-rld"  # never planned: RLD finishes alone (MD lost, none reachable, or the skip-WAN filter)
+
+    @classmethod
+    def requestable(cls) -> tuple[Pipeline, ...]:
+        """What a client or an operator may ask for; P-RLD only happens to a request."""
+        return (cls.P_MD, cls.P_RLD_MD)
+
+    @property
+    def uses_relay(self) -> bool:
+        return self is not Pipeline.P_MD
+
+    @property
+    def uses_main(self) -> bool:
+        return self is not Pipeline.P_RLD
+
+
+AUTO = "auto"  # a flag value: the policy chooses (pipeline) or RLD's load does (handoff mode)
+
+
+class HandoffMode(enum.StrEnum):
+    ONE_SHOT = "one-shot"
+    CATCH_UP = "catch-up"
+
+
+class FailurePolicy(enum.StrEnum):
+    RECOVER = "recover"
+    FAIL = "fail"
+
+
+class DType(enum.StrEnum):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+def choices(values: type[enum.StrEnum] | tuple[enum.StrEnum, ...], *extra: str) -> tuple[str, ...]:
+    """argparse choices: the enum's values (plus e.g. AUTO) as plain strings."""
+    return (*extra, *(str(v) for v in values))

@@ -1,0 +1,158 @@
+"""What a local pdd stack is: its processes' names and placement, `StackConfig` (the flags of `pdd up`,
+`pdd demo` and `pdd bench`), and free loopback ports for them. Nothing here starts a process."""
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.names import AUTO, DType, Pipeline, Role, choices
+
+NATS = "nats"  # the only nats-server in one-dc; datacenter A's in two-dc
+NATS_B = "nats-b"  # two-dc: datacenter B's nats-server
+WAN = "wan"  # two-dc: the WAN emulator between the datacenters
+SERVICES = (Role.PREFILL, Role.RELAY, Role.MAIN, "gateway")
+MODEL_ROLES = tuple(Role)
+STOP_STAGES: tuple[tuple[str, ...], ...] = (("gateway",), (Role.RELAY, Role.MAIN), (Role.PREFILL,), (NATS, NATS_B), (WAN,))
+TOPOLOGIES = ("one-dc", "two-dc")
+DATACENTER = {"gateway": "a", "prefill": "a", "relay": "a", "main": "b"}  # two-dc placement
+# The emulator's routes in two-dc: P -> MD's KV port, and the NATS gateway link in both directions
+# (a NATS gateway connection carries messages one way only: each server dials the other).
+MD_KV_ROUTE = "md_kv"
+NATS_GW_A_ROUTE = "nats_gw_a"  # dialled by nats-a: A -> B messages
+NATS_GW_B_ROUTE = "nats_gw_b"  # dialled by nats-b: B -> A messages
+LOOPBACK = "127.0.0.1"
+NATS_USER = "pdd"  # --nats-auth: the one NATS user every service of the local stack connects as
+NATS_AUTH_DIR = "nats-auth"  # --nats-auth: under log_dir, the password file and certificates (mode 0700)
+
+
+class StackError(RuntimeError):
+    """The stack could not start (a process exited, a port was taken, or a deadline passed)."""
+
+
+PICKED_PORTS_FROM = 20000  # free_port picks from here up to the ephemeral range
+
+
+def default_torch_threads() -> int:
+    """Three model processes share the machine: give each a third of the cores, at least one."""
+    return max(1, (os.cpu_count() or 1) // len(MODEL_ROLES))
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    model: str = "smollm2"
+    dtype: str = "float32"
+    device: str = "auto"
+    nats_url: str | None = None  # None: start our own nats-server on a free loopback port
+    host: str = LOOPBACK
+    port: int = 8000  # 0: pick a free port
+    pipeline: str = AUTO  # the gateway's policy chooses per request, as its own --pipeline default
+    log_dir: Path = Path("logs")
+    log_level: str = "INFO"
+    torch_threads: int = field(default_factory=default_torch_threads)
+    chunk_tokens: int = 256
+    extra_args: Mapping[str, Sequence[str]] = field(default_factory=dict)  # role (or "wan") -> more flags
+    startup_timeout_s: float = 180.0
+    stop_timeout_s: float = 10.0
+    topology: str = "one-dc"  # "two-dc": MD and its own nats-server in B, behind the WAN emulator
+    wan_bandwidth_mbps: float = 100.0  # two-dc: line rate per direction; 0: unlimited
+    wan_delay_ms: float = 25.0  # two-dc: one-way delay
+    wan_jitter_ms: float = 2.0
+    wan_trace: Path | None = None  # two-dc: bandwidth trace file; overrides wan_bandwidth_mbps
+    wan_control_port: int = 0  # two-dc: the emulator's control API port; 0 picks a free one
+    nats_auth: bool = False  # our nats-server(s) demand a password and a client certificate (mutual TLS)
+
+    def __post_init__(self) -> None:
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"topology must be one of {TOPOLOGIES}, got {self.topology!r}")
+        if self.nats_auth and self.nats_url:
+            raise ValueError("nats_auth secures the nats-server the launcher starts; for your own server at "
+                             "nats_url, give the services PDD_NATS_USER, PDD_NATS_PASSWORD_FILE, PDD_NATS_TLS_*")
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """The flags of every command that starts a stack (`pdd up`, `pdd demo`, ...)."""
+        d = StackConfig()
+        parser.add_argument("--model", default=d.model, help="'smollm2' (default), 'tiny', or a checkpoint path")
+        parser.add_argument("--dtype", default=d.dtype, choices=choices(DType))
+        parser.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:N")
+        parser.add_argument("--host", default=d.host, help="address the gateway binds")
+        parser.add_argument("--port", type=int, default=d.port, help="gateway port; 0 picks a free one")
+        parser.add_argument("--pipeline", default=d.pipeline, choices=choices(Pipeline.requestable(), AUTO),
+                            help="pipeline for requests that do not name one; auto: the gateway's policy")
+        parser.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
+        parser.add_argument("--nats-auth", action="store_true",
+                            help="start nats-server with a user, a password and mutual TLS (throwaway certificates "
+                                 f"in <log-dir>/{NATS_AUTH_DIR}) and connect every service with them")
+        parser.add_argument("--log-dir", type=Path, default=d.log_dir, help="one log file per process")
+        parser.add_argument("--log-level", default=d.log_level, help="log level of the services")
+        parser.add_argument("--torch-threads", type=int, default=d.torch_threads,
+                            help=f"intra-op threads per model process (default here: {d.torch_threads})")
+        parser.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens,
+                            help="prompt tokens per prefill forward pass")
+        parser.add_argument("--startup-timeout-s", type=float, default=d.startup_timeout_s)
+        wan = parser.add_argument_group("two datacenters", "--topology two-dc puts MD and a second nats-server "
+                                        "in datacenter B, behind the WAN emulator (docs/wan.md)")
+        wan.add_argument("--topology", default=d.topology, choices=TOPOLOGIES)
+        wan.add_argument("--wan-bandwidth-mbps", type=float, default=d.wan_bandwidth_mbps,
+                         help=f"line rate per direction in Mbit/s; 0: unlimited (default {d.wan_bandwidth_mbps:g})")
+        wan.add_argument("--wan-delay-ms", type=float, default=d.wan_delay_ms,
+                         help=f"one-way delay (default {d.wan_delay_ms:g})")
+        wan.add_argument("--wan-jitter-ms", type=float, default=d.wan_jitter_ms,
+                         help=f"± spread on the one-way delay (default {d.wan_jitter_ms:g})")
+        wan.add_argument("--wan-trace", type=Path, default=None,
+                         help="bandwidth trace (CSV t_s,bps or t_s,mbps; JSON [[t_s,bps],..]), looped")
+        wan.add_argument("--wan-control-port", type=int, default=d.wan_control_port,
+                         help="port of the emulator's control API (GET /stats, POST /cut, /restore, /link); 0: free")
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> StackConfig:
+        return cls(
+            model=ns.model, dtype=ns.dtype, device=ns.device, nats_url=ns.nats_url, host=ns.host,
+            port=ns.port, pipeline=ns.pipeline, log_dir=ns.log_dir, log_level=ns.log_level,
+            torch_threads=ns.torch_threads, chunk_tokens=ns.chunk_tokens,
+            startup_timeout_s=ns.startup_timeout_s, topology=ns.topology,
+            wan_bandwidth_mbps=ns.wan_bandwidth_mbps, wan_delay_ms=ns.wan_delay_ms,
+            wan_jitter_ms=ns.wan_jitter_ms, wan_trace=ns.wan_trace, wan_control_port=ns.wan_control_port,
+            nats_auth=ns.nats_auth,
+        )
+
+    @property
+    def two_dc(self) -> bool:
+        return self.topology == "two-dc"
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port free now, for a process started later to bind. It is picked below the kernel's
+    ephemeral range, so no bind to port 0 and no outgoing connection can take it in between
+    (the WAN emulator binds its routes to port 0 while the nats-servers' ports wait)."""
+    low, _ = _ephemeral_port_range()
+    candidates = range(PICKED_PORTS_FROM, low) if low - PICKED_PORTS_FROM >= 1000 else range(0)
+    for port in secrets.SystemRandom().sample(candidates, min(64, len(candidates))):
+        if port_is_free(host, port):
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below the range: any port
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _ephemeral_port_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
