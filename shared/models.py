@@ -73,12 +73,23 @@ def ensure_smollm2_tokenizer() -> Path:
     return target
 
 
+def save_tied(model: torch.nn.Module, path: Path) -> None:
+    """Save the weights the way Hugging Face checkpoints lay out tied embeddings: under the embedding's
+    name, lm_head left out. (safetensors' save_model keeps the tied pair under lm_head's name, which
+    other servers such as vLLM do not read back: their embeddings stayed zero.)"""
+    from safetensors.torch import save_file
+
+    state = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(path), metadata={"format": "pt"})
+
+
 def ensure_smollm2() -> Path:
     """Dequantise the GGUF once into a safetensors checkpoint (progress shown), then reuse it."""
     target = pdd_home() / "smollm2-135m-instruct"
     if (target / "model.safetensors").exists():
         return target
-    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting SmolLM2-135M-Instruct from GGUF into %s (once)", target)
@@ -93,7 +104,7 @@ def ensure_smollm2() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config, indent=2))
-        save_model(model, str(Path(tmp) / "model.safetensors"))
+        save_tied(model, Path(tmp) / "model.safetensors")
         tokenizer.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         _write_atomically(Path(tmp), target)
@@ -113,7 +124,6 @@ def ensure_tiny() -> Path:
     target = pdd_home() / "tiny-llama"
     if (target / "model.safetensors").exists():
         return target
-    from safetensors.torch import save_model
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_tokenizer())
@@ -126,7 +136,7 @@ def ensure_tiny() -> Path:
     config_dict["_pdd_name"] = "tiny-llama"
     with tempfile.TemporaryDirectory(dir=pdd_home()) as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config_dict, indent=2))
-        save_model(model, str(Path(tmp) / "model.safetensors"))
+        save_tied(model, Path(tmp) / "model.safetensors")
         tokenizer.save_pretrained(tmp)
         _write_atomically(Path(tmp), target)
         Path(tmp).mkdir()
