@@ -32,6 +32,7 @@ from shared.sampling import SamplingParams  # noqa: E402
 @dataclass(frozen=True)
 class BenchConfig:
     model: str
+    dtype: str
     threads: int
     batches: tuple[int, ...]
     context_tokens: int
@@ -172,10 +173,10 @@ def bench_generate_batch(path: Path, config: BenchConfig, prompts: list[list[int
 async def run(config: BenchConfig) -> dict:
     torch.set_num_threads(config.threads)
     path = resolve_model(config.model)
-    runner = ModelRunner(load_model(path, "float32", "cpu"))
+    runner = ModelRunner(load_model(path, config.dtype, "cpu"))
     engine = BatchEngine(runner, EngineConfig(max_batch_tokens=config.max_batch_tokens,
                                               torch_threads=config.threads), name="bench")
-    report: dict = {"model": config.model, "threads": config.threads, "load_before": load(),
+    report: dict = {"model": config.model, "dtype": config.dtype, "threads": config.threads, "load_before": load(),
                     "config": {k: v for k, v in vars(config).items() if k != "json_path"}}
     try:
         await serve(engine, runner, "warmup", random_prompt(random.Random(0), runner.config.vocab_size, 64), 4)
@@ -222,6 +223,11 @@ async def run(config: BenchConfig) -> dict:
     if report["decode"]:
         base = report["decode"][0]["tokens_per_s"]
         report["decode_speedup"] = {r["batch"]: r["tokens_per_s"] / base for r in report["decode"]}
+        base_cpu = report["decode"][0]["tokens_per_cpu_s"]
+        for r in report["decode"][1:]:
+            print(f"decode batch {r['batch']} / batch {report['decode'][0]['batch']}: "
+                  f"{report['decode_speedup'][r['batch']]:.2f}x tokens/s, {r['tokens_per_cpu_s'] / base_cpu:.2f}x "
+                  f"tokens per CPU-s (batch 1: {1000 / report['decode'][0]['tokens_per_s']:.1f} ms/token)", flush=True)
     report["load_after"] = load()
     return report
 
@@ -254,13 +260,14 @@ def markdown(report: dict) -> str:
         lines.append(f"| ratio (generate_batch / pdd) | {mixed['speedup']:.2f}x | {mixed['cpu_speedup']:.2f}x | "
                      f"same outputs {mixed['same_outputs']}/{mixed['pdd']['requests']} |")
     lines.append(f"\nload average {report['load_before']:.1f} before, {report['load_after']:.1f} after; "
-                 f"{report['threads']} torch threads")
+                 f"{report['threads']} torch threads, {report['dtype']}")
     return "\n".join(lines)
 
 
 def parse(argv: list[str] | None = None) -> BenchConfig:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default="float32", help="float32 (exact, the default) or bfloat16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batches", default="1,4,8,16,32")
     p.add_argument("--context-tokens", type=int, default=128, help="prompt length of each decode request")
@@ -278,7 +285,8 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--sections", default="decode,prefill,mixed")
     p.add_argument("--json", dest="json_path", default="")
     ns = p.parse_args(argv)
-    return BenchConfig(ns.model, ns.threads, tuple(int(b) for b in ns.batches.split(",")), ns.context_tokens,
+    return BenchConfig(ns.model, ns.dtype, ns.threads, tuple(int(b) for b in ns.batches.split(",")),
+                       ns.context_tokens,
                        ns.decode_tokens, ns.prefill_prompts, ns.prefill_prompt_tokens, ns.chunk_tokens,
                        ns.max_batch_tokens, ns.mixed_requests, ns.mixed_min_prompt, ns.mixed_max_prompt,
                        ns.mixed_new_tokens, ns.generate_batch, ns.repeats, tuple(ns.sections.split(",")),

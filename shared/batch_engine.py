@@ -22,7 +22,7 @@ import torch
 from shared.config import EngineConfig
 from shared.errors import BadRequest, PddError
 from shared.model_runner import DecodeSequence, ModelRunner, PackedRow, SequenceKV
-from shared.sampling import sample_token
+from shared.sampling import sample_tokens
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -361,28 +361,30 @@ class BatchEngine:
             self._work = [w for w in self._work if w.left]
             return
         self._expected = set()
-        settled: list[tuple[asyncio.Future, object, BaseException | None]] = []
-        row = 0
         for work, take in batch:
             work.fed += take
-            if work.left:
+        # logits has one row per row that wanted them, in batch order: exactly the sampling work now complete
+        sampled = [w for w, _ in batch if w.sample and not w.left]
+        seqs = [self._slots[w.key].seq for w in sampled]
+        ready = [i for i, seq in enumerate(seqs) if seq is not None]
+        tokens = dict(zip(ready, sample_tokens(logits[ready] if len(ready) < len(seqs) else logits,
+                                               [seqs[i].sampling for i in ready],
+                                               [seqs[i].first_index + len(seqs[i].output_ids) for i in ready])))
+        settled: list[tuple[asyncio.Future, object, BaseException | None]] = []
+        for i, work in enumerate(sampled):
+            seq = seqs[i]
+            if seq is None:
+                settled.append((work.future, None, NotAdmitted(f"{work.key} has no sampling state")))
                 continue
-            slot = self._slots[work.key]
-            result: object = None
-            exc: BaseException | None = None
-            if work.sample:
-                if slot.seq is None:
-                    exc = NotAdmitted(f"{work.key} has no sampling state")
-                else:
-                    token = sample_token(logits[row], slot.seq.sampling,
-                                         slot.seq.first_index + len(slot.seq.output_ids))
-                    result = (token, slot.seq.accept(token))
-                    if result[1] is None:
-                        self._expected.add(work.key)
-                row += 1
-            elif work.return_kv:
-                result = slot.kv.slice(slot.kv.length - len(work.feed_ids), slot.kv.length).to("cpu")
-            settled.append((work.future, result, exc))
+            result = (tokens[i], seq.accept(tokens[i]))
+            if result[1] is None:
+                self._expected.add(work.key)
+            settled.append((work.future, result, None))
+        for work, _ in batch:
+            if not work.left and not work.sample:
+                kv = self._slots[work.key].kv
+                result = kv.slice(kv.length - len(work.feed_ids), kv.length).to("cpu") if work.return_kv else None
+                settled.append((work.future, result, None))
         self._work = [w for w in self._work if w.left]
         self.forward_s += time.perf_counter() - t0
         self.steps += 1

@@ -30,8 +30,23 @@ class SequenceKV:
         self.length = length
 
     @property
+    def data(self) -> torch.Tensor:
+        return self._data
+
+    @data.setter
+    def data(self, data: torch.Tensor) -> None:
+        self._data = data
+        self._layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # views must not outlive the data
+
+    @property
     def capacity(self) -> int:
         return self.data.shape[3]
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s K and V as [1, kv_heads, capacity, head_dim] views, made once per request."""
+        if self._layers is None:
+            self._layers = [(kv[0].unsqueeze(0), kv[1].unsqueeze(0)) for kv in self._data.unbind(0)]
+        return self._layers[index]
 
     def slice(self, start: int, end: int) -> torch.Tensor:
         """A copy of positions [start, end) as [layers, 2, kv_heads, tokens, head_dim]."""
@@ -106,10 +121,10 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     outputs = []
     for row, start, mask in zip(pdd_pack.rows, pdd_pack.offsets, pdd_pack.masks):
         past, n = row.kv.length, len(row.token_ids)
-        cache = row.kv.data[layer]
-        cache[0, :, past:past + n] = key[0, :, start:start + n]
-        cache[1, :, past:past + n] = value[0, :, start:start + n]
-        q, k, v = query[:, :, start:start + n], cache[0, :, :past + n].unsqueeze(0), cache[1, :, :past + n].unsqueeze(0)
+        cache_k, cache_v = row.kv.layer(layer)
+        cache_k.narrow(2, past, n).copy_(key.narrow(2, start, n))
+        cache_v.narrow(2, past, n).copy_(value.narrow(2, start, n))
+        q, k, v = query.narrow(2, start, n), cache_k.narrow(2, 0, past + n), cache_v.narrow(2, 0, past + n)
         if n == 1 and direct:
             # the very call sdpa_attention_forward makes for one query token and no mask, minus its
             # per-call checks, which cost more than the attention itself at decode sizes on a CPU
@@ -117,7 +132,7 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         else:
             out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=scaling)
         outputs.append(out)
-    return torch.cat(outputs, dim=1), None
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
 
 
 AttentionInterface.register(ATTENTION, packed_attention)

@@ -6,6 +6,7 @@ yields the same tokens whichever tier (RLD or MD) happens to produce token i.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -72,3 +73,17 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, token_index: int)
         probs = probs / probs.sum()
     generator = torch.Generator(device="cpu").manual_seed(_draw_seed(params.seed, token_index))
     return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
+
+
+def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], token_indices: Sequence[int]) -> list[int]:
+    """sample_token for every row of logits [rows, vocab]; greedy rows in one argmax and one device sync."""
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    tokens = [0] * len(params)
+    if greedy:
+        picked = logits if len(greedy) == len(params) else logits[greedy]
+        for i, token in zip(greedy, torch.argmax(picked, dim=-1).tolist()):
+            tokens[i] = token
+    for i, (p, index) in enumerate(zip(params, token_indices)):
+        if not p.greedy:
+            tokens[i] = sample_token(logits[i], p, index)
+    return tokens

@@ -12,9 +12,9 @@ import torch
 
 from shared.batch_engine import BatchEngine, KVBudgetExceeded
 from shared.config import EngineConfig
-from shared.model_runner import DecodeSequence, ModelRunner
+from shared.model_runner import DecodeSequence, ModelRunner, PackedRow
 from shared.models import load_model
-from shared.sampling import SamplingParams
+from shared.sampling import SamplingParams, sample_token, sample_tokens
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +173,7 @@ async def test_kv_is_freed_exactly_once_on_abort(runner, prompts):
         engine.release(seq.request_id)  # a second release (abort after finish) changes nothing
         await engine.run(lambda: None)
         assert engine.stats()["kv_used_tokens"] == 0 and engine.frees == 1 and seq.kv.data.numel() == 0
+        assert seq.kv._layers is None, "cached per-layer views would keep the freed storage alive"
 
 
 async def test_abort_while_waiting_for_budget_withdraws_the_request(runner, prompts):
@@ -212,6 +213,39 @@ async def test_prefill_chunks_of_several_requests_share_a_step(runner, prompts):
             alone = prompt_kv(runner, prompt_ids)[0]
             assert kv.shape == alone.shape
             torch.testing.assert_close(kv, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_one_packed_decode_step_over_ragged_lengths_matches_each_request_alone(runner, prompts):
+    alone, packed = [], []
+    for prompt_ids in prompts:
+        kv_alone, kv_packed = runner.new_kv(len(prompt_ids) + 4), runner.new_kv(len(prompt_ids) + 4)
+        for kv in (kv_alone, kv_packed):
+            runner.forward(kv, prompt_ids[:-1])  # every test prompt has at least two tokens
+        alone.append(kv_alone)
+        packed.append(kv_packed)
+    feeds = [[p[-1]] for p in prompts]
+    for _ in range(3):  # three decode steps: every row one token, all rows in one forward
+        expected = torch.stack([runner.forward(kv, feed) for kv, feed in zip(alone, feeds)])
+        logits = runner.forward_packed([PackedRow(kv, feed, True) for kv, feed in zip(packed, feeds)])
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+        tokens = sample_tokens(logits, [SamplingParams()] * len(prompts), [0] * len(prompts))
+        assert tokens == expected.argmax(dim=-1).tolist()
+        feeds = [[t] for t in tokens]
+    for kv_alone, kv_packed in zip(alone, packed):
+        assert kv_packed.length == kv_alone.length
+        torch.testing.assert_close(kv_packed.slice(0, kv_packed.length), kv_alone.slice(0, kv_alone.length),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_batched_sampling_picks_what_each_row_picks_alone():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=5), SamplingParams(),
+              SamplingParams(temperature=1.2, top_k=10, seed=9), SamplingParams(temperature=0.7, top_p=0.9, seed=2),
+              SamplingParams()]
+    indices = [0, 3, 7, 1, 12, 4]
+    assert sample_tokens(logits, params, indices) == [sample_token(row, p, i)
+                                                      for row, p, i in zip(logits, params, indices)]
+    assert sample_tokens(logits[:0], [], []) == []
 
 
 async def until(predicate, timeout_s: float = 30.0) -> None:
