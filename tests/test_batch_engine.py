@@ -288,12 +288,13 @@ async def test_smollm2_batched_decoding_matches_generate():
 
 
 def test_decoder_heartbeat_reports_the_kv_budget_and_its_use(tiny_path):
-    from services.main.service import MainService
-    from shared.config import DecoderConfig
+    from services.decoder.service import DecoderService
+    from services.main.service import MainRole
+    from shared.config import MainConfig
 
-    config = DecoderConfig.from_argv("main", ["--model", str(tiny_path), "--kv-budget-tokens", "1234",
-                                              "--max-batch-tokens", "64", "--cache-tokens", "0"])
-    service = MainService(config)
+    config = MainConfig.from_argv(["--model", str(tiny_path), "--kv-budget-tokens", "1234",
+                                   "--max-batch-tokens", "64", "--cache-tokens", "0"])
+    service = DecoderService(config, MainRole(config.cache))
     try:
         service.advertise_port = 0  # set by start(), which this test does not need
         heartbeat = service._describe()

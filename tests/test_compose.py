@@ -27,7 +27,7 @@ import jsonschema
 import pytest
 import yaml
 
-from shared.config import DecoderConfig, GatewayConfig, PrefillConfig
+from shared.config import GatewayConfig, MainConfig, PrefillConfig, RelayConfig
 from wan.main import WanMainConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,10 +46,8 @@ class EntryPoint:
 
 ENTRY_POINTS = {
     "services.prefill": EntryPoint(PrefillConfig.parser, PrefillConfig.from_argv),
-    "services.relay": EntryPoint(partial(DecoderConfig.parser, "relay"),
-                                 partial(DecoderConfig.from_argv, "relay")),
-    "services.main": EntryPoint(partial(DecoderConfig.parser, "main"),
-                                partial(DecoderConfig.from_argv, "main")),
+    "services.relay": EntryPoint(RelayConfig.parser, RelayConfig.from_argv),
+    "services.main": EntryPoint(MainConfig.parser, MainConfig.from_argv),
     "services.gateway": EntryPoint(GatewayConfig.parser, GatewayConfig.from_argv),
     "wan": EntryPoint(WanMainConfig.parser, WanMainConfig.from_argv),
 }
@@ -432,7 +430,7 @@ def test_laptop_kv_path_to_main_decode_runs_through_the_wan_emulator() -> None:
     compose = load_compose(COMPOSE_DIR / "laptop.yaml")
     ((main_name, main),) = services_running(compose, "services.main").items()
     ((wan_name, wan),) = services_running(compose, "wan").items()
-    main_config: DecoderConfig = parsed_config(main)  # type: ignore[assignment]
+    main_config: MainConfig = parsed_config(main)  # type: ignore[assignment]
     wan_config: WanMainConfig = parsed_config(wan)  # type: ignore[assignment]
 
     assert main_config.advertise_host == wan_name

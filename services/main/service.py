@@ -1,123 +1,158 @@
-"""Main Decode (MD) service: decodes from the first token (P-MD) or takes over from RLD (P-RLD-MD).
+"""Main Decode (MD)'s role in the decoder shell: decode from the first token (P-MD) or take over from RLD.
 
 Taking over is extend-decode: MD feeds the last prompt token and RLD's eager token IDs in one
-forward pass, which rebuilds their KV, and samples the next token from its logits.
+forward pass, which rebuilds their KV, and samples the next token from its logits. Which tokens to
+feed when is services/main/takeover.py's; the DRC is services/main/drc.py's.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
 
+import torch
 from nats.aio.msg import Msg
 
-from shared import bus, messages, subjects
-from services.decoder.service import DecodeRequest, DecoderService
-from shared.errors import DeadlineExceeded, PddError, ProtocolError
+from services.decoder.request import DecodeRequest, Phase
+from services.decoder.role import DecoderIO
+from services.main.drc import DecodeCache
+from services.main.takeover import Move, Takeover
+from shared import messages, subjects
+from shared.config import CacheConfig
+from shared.errors import PddError
 from shared.kv_transfer import TransferState
-from shared.messages import Handoff, HandoffStats, KVReady
-from shared.model_runner import DecodeSequence
+from shared.messages import CacheEvents, DecodeAssign, Handoff, HandoffStats, KVReady
+from shared.names import Pipeline, Role
 
 log = logging.getLogger(__name__)
 
 
-class MainService(DecoderService):
-    role = "main"
+class MainRole:
+    role = Role.MAIN
 
-    async def subscribe_role(self) -> None:
-        await self.nc.subscribe(subjects.handoff(self.instance_id), cb=self._on_handoff)
+    def __init__(self, cache: CacheConfig) -> None:
+        self.drc = DecodeCache(cache) if cache.enabled else None
 
-    async def _on_handoff(self, msg: Msg) -> None:
+    async def subscribe(self, io: DecoderIO) -> None:
+        async def on_handoff(msg: Msg) -> None:
+            await self._on_handoff(io, msg)
+
+        await io.subscribe(subjects.handoff(io.instance_id), on_handoff)
+
+    def stats(self) -> dict[str, float]:
+        return self.drc.gauges() if self.drc is not None else {}
+
+    def hold_prefix(self, assign: DecodeAssign) -> int:
+        return self.drc.lock(assign.request_id, assign.prompt_ids) if self.drc is not None else 0
+
+    def assemble_kv(self, request: DecodeRequest, received: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.drc.assemble(request.request_id, received) if self.drc is not None else (received,)
+
+    def release(self, request: DecodeRequest) -> None:
+        if self.drc is not None:
+            self.drc.unlock(request.request_id)
+
+    async def settle(self, request: DecodeRequest, io: DecoderIO) -> None:
+        if request.phase is Phase.RELAY_FINISHED:  # a finished request was kept before its last token went out
+            await self._keep(request, io)
+
+    async def _on_handoff(self, io: DecoderIO, msg: Msg) -> None:
         try:
             handoff = messages.decode_as(msg.data, Handoff)
         except PddError:
             return
-        request = self.requests.get(handoff.request_id)
+        request = io.find(handoff.request_id)
         if request is None:
             return
         if handoff.finished and request.inbox.state is not TransferState.DONE and request.task is not None:
             # RLD finished before our KV arrived: drop the transfer now, not at the gateway's abort
             request.task.cancel()
             return
-        request.handoffs.put_nowait(handoff)
+        request.peer_messages.put_nowait(handoff)
 
-    async def decode(self, request: DecodeRequest, seq: DecodeSequence) -> None:
-        assign = request.assign
+    async def decode(self, request: DecodeRequest, io: DecoderIO) -> Phase:
+        assign, seq = request.assign, request.seq
         feed = [assign.prompt_ids[-1]]
         stats: HandoffStats | None = None
-        if assign.pipeline == "p-rld-md":
-            taken = await self._take_over(request, seq)
+        if assign.pipeline == Pipeline.P_RLD_MD:
+            taken = await self._take_over(request, io)
             if taken is None:
-                return
+                return Phase.RELAY_FINISHED
             feed, stats = taken
-        with self.tracer.start_as_current_span("main.decode") as span:
+        with io.tracer.start_as_current_span("main.decode") as span:
             first = len(seq.output_ids)
             span.set_attribute("pdd.first_index", first)
             t0 = time.monotonic()
             if stats is not None:
-                with self.tracer.start_as_current_span("main.extend_decode") as extend_span:
+                with io.tracer.start_as_current_span("main.extend_decode") as extend_span:
                     extend_span.set_attributes({"pdd.extend_tokens": len(feed), "pdd.handoff_mode": stats.mode})
-                    finish_reason = await self.forward(seq, feed)
-            else:
-                finish_reason = await self.forward(seq, feed)
-            if stats is not None:
+                    finish_reason = await io.forward(request, feed)
                 # the first step after the cut is the extend-decode pass over the last eager tokens;
                 # its stats go out before its token, so the gateway can mark the cut
                 stats = dataclasses.replace(stats, extend_s=time.monotonic() - t0)
-                self.metrics.handoffs.labels(stats.mode).inc()
-                self.metrics.handoff_extend.labels(stats.mode).observe(stats.extend_s)
-                await bus.publish(self.nc, request.events_subject, stats)
-            await self.publish_token(request, seq, finish_reason)
+                io.metrics.handoffs.labels(stats.mode).inc()
+                io.metrics.handoff_extend.labels(stats.mode).observe(stats.extend_s)
+                await io.publish(request.events_subject, stats)
+            else:
+                finish_reason = await io.forward(request, feed)
+            await self._publish_token(request, io, finish_reason)
             while finish_reason is None:
-                finish_reason = await self.step(request, seq, [seq.output_ids[-1]])
+                finish_reason = await io.forward(request, [seq.output_ids[-1]])
+                await self._publish_token(request, io, finish_reason)
             span.set_attribute("pdd.tokens", len(seq.output_ids) - first)
+        return Phase.FINISHED
 
-    async def _take_over(self, request: DecodeRequest, seq: DecodeSequence) -> tuple[list[int], HandoffStats] | None:
+    async def _take_over(self, request: DecodeRequest, io: DecoderIO) -> tuple[list[int], HandoffStats] | None:
         """Adopt RLD's eager tokens chunk by chunk until the cut.
 
         Returns the tokens still to feed (the cut's chunk, after the last token whose KV MD holds)
         and the handoff's stats; None if RLD finished the request itself.
         """
-        assign = request.assign
+        seq = request.seq
         kv_wait_s = time.monotonic() - request.assigned_at
         t0 = time.monotonic()
-        pending = [assign.prompt_ids[-1]]  # fed tokens lag one behind, so the cut always has logits
-        chunks = 0
-        with self.tracer.start_as_current_span("main.handoff") as span:
-            await self._report_progress(request, 0)
+        takeover = Takeover(request.assign.prompt_ids[-1])
+        with io.tracer.start_as_current_span("main.handoff") as span:
+            await self._report_progress(request, io, 0)
             while True:
-                handoff = await self._next_handoff(request)
-                if handoff.finished:
+                handoff = await request.next_peer_message(f"RLD never handed off {request.request_id}")
+                adoption = takeover.adopt(handoff)
+                if adoption.move is Move.RELAY_FINISHED:
                     span.set_attribute("pdd.relay_finished", True)
                     return None
-                if handoff.start > len(seq.output_ids):
-                    raise ProtocolError(f"handoff chunk starts at {handoff.start}, MD holds {len(seq.output_ids)}")
-                # a recovery handoff from the gateway repeats what MD already adopted: skip that part
-                new_ids = handoff.eager_ids[len(seq.output_ids) - handoff.start:]
-                chunks += 1
-                seq.output_ids.extend(new_ids)
-                pending += new_ids
-                if handoff.final:
+                seq.output_ids.extend(adoption.new_ids)
+                if adoption.move is Move.CUT:
                     break
-                with self.tracer.start_as_current_span("main.catch_up_chunk") as chunk_span:
+                with io.tracer.start_as_current_span("main.catch_up_chunk") as chunk_span:
                     chunk_span.set_attributes({"pdd.start": handoff.start, "pdd.tokens": len(handoff.eager_ids)})
-                    await self.extend(seq, pending[:-1])
-                pending = pending[-1:]
-                await self._report_progress(request, len(seq.output_ids))
-            span.set_attributes({"pdd.eager_tokens": len(seq.output_ids), "pdd.handoff_mode": handoff.mode,
-                                 "pdd.chunks": chunks})
-        return pending, HandoffStats(request.request_id, len(seq.output_ids), kv_wait_s, time.monotonic() - t0,
-                                     0.0, handoff.mode, chunks)
+                    await io.extend(request, adoption.feed_ids)
+                await self._report_progress(request, io, takeover.adopted)
+            span.set_attributes({"pdd.eager_tokens": takeover.adopted, "pdd.handoff_mode": takeover.mode,
+                                 "pdd.chunks": takeover.chunks})
+        return adoption.feed_ids, takeover.stats(request.request_id, kv_wait_s, time.monotonic() - t0)
 
-    async def _report_progress(self, request: DecodeRequest, adopted_tokens: int) -> None:
-        await bus.publish(self.nc, subjects.kv_ready(request.assign.relay_instance),
-                          KVReady(request.request_id, self.instance_id, time.time(), adopted_tokens))
+    async def _report_progress(self, request: DecodeRequest, io: DecoderIO, adopted_tokens: int) -> None:
+        await io.publish(subjects.kv_ready(request.assign.relay_instance),
+                         KVReady(request.request_id, io.instance_id, time.time(), adopted_tokens))
 
-    async def _next_handoff(self, request: DecodeRequest) -> Handoff:
-        remaining = request.assign.deadline_s - (time.monotonic() - request.assigned_at)
+    async def _publish_token(self, request: DecodeRequest, io: DecoderIO, finish_reason: str | None) -> None:
+        if finish_reason is not None:
+            # into the DRC before the client sees the end, so a session's next turn always finds it
+            await self._keep(request, io)
+        await io.publish_token(request, finish_reason)
+
+    async def _keep(self, request: DecodeRequest, io: DecoderIO) -> None:
+        """Keep the request's prompt and output KV in the DRC, so the session's next turn hits it."""
+        if self.drc is None:
+            return
+        seq = request.seq
+        cached = seq.kv.length
+        kv = await io.export(request, 0, cached)
+        self.drc.keep((seq.prompt_ids + seq.output_ids)[:cached], kv)
+        events = self.drc.take_events()
+        if not events:
+            return
         try:
-            async with asyncio.timeout(max(0.0, remaining)):
-                return await request.handoffs.get()
-        except TimeoutError as exc:
-            raise DeadlineExceeded(f"RLD never handed off {request.request_id}") from exc
+            await io.publish(subjects.cache_events(io.instance_id), CacheEvents(io.instance_id, events))
+        except Exception as exc:  # the index catches up from the next batch
+            log.warning("cache events not published: %s", exc)

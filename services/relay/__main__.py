@@ -3,17 +3,19 @@ from __future__ import annotations
 
 import asyncio
 
+from services.decoder.service import DecoderService
+from services.relay.service import RelayRole
 from shared import tracing
-from shared.config import DecoderConfig
+from shared.config import RelayConfig
+from shared.names import Role
 from shared.service_runtime import run_service, setup_logging
-from services.relay.service import RelayService
 
 
 async def main() -> None:
-    config = DecoderConfig.from_argv("relay")
+    config = RelayConfig.from_argv()
     setup_logging(config.common.log_level, config.common.instance_id)
     tracing.setup_tracing("pdd-relay", config.common.instance_id, config.common.otlp_endpoint)
-    await run_service(RelayService(config), "relay")
+    await run_service(DecoderService(config, RelayRole(config.handoff)), Role.RELAY)
 
 
 if __name__ == "__main__":

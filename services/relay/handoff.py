@@ -9,16 +9,14 @@ KV is complete (0 output tokens adopted), then, in Catch-Up, each time it has re
   falls back to One-Shot at once, so Catch-Up always converges.
 `handoff_at` is a test knob that pins the cut to exactly that many eager tokens: RLD decodes on
 until it has made them even if MD is ready earlier, and waits for MD if it gets there first.
+Once the gateway says MD is lost, RLD decodes to the end alone and hands nothing off.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
 
-
-class HandoffMode(enum.Enum):
-    ONE_SHOT = "one-shot"
-    CATCH_UP = "catch-up"
+from shared.names import AUTO, HandoffMode
 
 
 class Step(enum.Enum):
@@ -37,7 +35,7 @@ class Decision:
 
 def choose_mode(configured: str, running_requests: int, catch_up_max_running: int) -> HandoffMode:
     """`auto` follows RLD's load: Catch-Up when RLD has room, One-Shot when it is busy."""
-    if configured == "auto":
+    if configured == AUTO:
         return HandoffMode.CATCH_UP if running_requests <= catch_up_max_running else HandoffMode.ONE_SHOT
     return HandoffMode(configured)
 
@@ -54,11 +52,17 @@ class HandoffPlan:
         self.fell_back = False
         self._main_reported = False  # MD reported progress we have not acted on yet
         self._last_remaining: int | None = None
+        self.main_lost = False  # RLD finishes alone
 
     def on_main_progress(self) -> None:
         self._main_reported = True
 
+    def on_main_lost(self) -> None:
+        self.main_lost = True
+
     def next(self, eager: int) -> Decision:
+        if self.main_lost:
+            return Decision(Step.DECODE)
         if self.handoff_at is not None and eager >= self.handoff_at:
             return self._act(Step.CUT, eager) if self._main_reported else Decision(Step.WAIT_FOR_MAIN)
         if not self._main_reported:

@@ -1,123 +1,143 @@
-"""Relay Decode (RLD) service: decodes eagerly next to P, then hands the request to MD.
+"""Relay Decode (RLD)'s role in the decoder shell: decode eagerly next to P, then hand the request to MD.
 
-RLD keeps no long-lived cache: a request's KV lives here only until the cut or the end.
+RLD keeps no long-lived cache: a request's KV lives here only until the cut or the end. When to
+hand off is services/relay/handoff.py's to decide; this module moves the messages.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
+import torch
 from nats.aio.msg import Msg
 
-from shared import bus, messages, subjects
-from services.decoder.service import DecodeRequest, DecoderService
-from shared.errors import DeadlineExceeded, PddError, RequestAborted
-from shared.messages import Handoff, KVReady, MainLost, RequestFailed
-from shared.model_runner import DecodeSequence
-from services.relay.handoff import HandoffMode, HandoffPlan, Step, choose_mode
+from services.decoder.request import DecodeRequest, Phase
+from services.decoder.role import DecoderIO
+from services.relay.handoff import Decision, HandoffPlan, Step, choose_mode
+from shared import messages, subjects
+from shared.config import HandoffConfig
+from shared.errors import PddError, RequestAborted
+from shared.messages import DecodeAssign, Handoff, KVReady, MainLost, RequestFailed
+from shared.names import HandoffMode, Role
 
 log = logging.getLogger(__name__)
 
 
-class RelayService(DecoderService):
-    role = "relay"
-    finished_without_main = 0  # requests RLD finished alone because MD was lost (P-RLD, counted)
+class RelayRole:
+    role = Role.RELAY
 
-    async def subscribe_role(self) -> None:
-        await self.nc.subscribe(subjects.kv_ready(self.instance_id), cb=self._on_kv_ready)
-        await self.nc.subscribe(subjects.main_lost(self.instance_id), cb=self._on_main_lost)
+    def __init__(self, policy: HandoffConfig) -> None:
+        self.policy = policy
+        self.finished_without_main = 0  # requests RLD finished alone because MD was lost (P-RLD, counted)
 
-    def role_stats(self) -> dict[str, float]:
+    async def subscribe(self, io: DecoderIO) -> None:
+        async def on_kv_ready(msg: Msg) -> None:
+            await self._on_kv_ready(io, msg)
+
+        async def on_main_lost(msg: Msg) -> None:
+            await self._on_main_lost(io, msg)
+
+        await io.subscribe(subjects.kv_ready(io.instance_id), on_kv_ready)
+        await io.subscribe(subjects.main_lost(io.instance_id), on_main_lost)
+
+    def stats(self) -> dict[str, float]:
         return {"finished_without_main": self.finished_without_main}
 
-    async def _on_main_lost(self, msg: Msg) -> None:
+    def hold_prefix(self, assign: DecodeAssign) -> int:
+        return 0
+
+    def assemble_kv(self, request: DecodeRequest, received: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (received,)
+
+    async def settle(self, request: DecodeRequest, io: DecoderIO) -> None:
+        pass
+
+    def release(self, request: DecodeRequest) -> None:
+        pass
+
+    async def _on_main_lost(self, io: DecoderIO, msg: Msg) -> None:
         try:
             lost = messages.decode_as(msg.data, MainLost)
         except PddError:
             return
-        request = self.requests.get(lost.request_id)
+        request = io.find(lost.request_id)
         if request is None:
             # RLD let the request go (it made its final handoff); MD, now lost, had it alone.
             # Say so, or the gateway would wait for tokens nobody makes until the deadline.
-            await bus.publish(self.nc, subjects.request_events(lost.request_id), RequestFailed(
+            await io.publish(subjects.request_events(lost.request_id), RequestFailed(
                 lost.request_id, self.role, RequestAborted.code, "RLD no longer holds the request: it had handed off"))
             return
-        if not request.main_lost:
-            log.warning("%s: MD lost (%s); RLD finishes the request", lost.request_id, lost.reason)
-            request.main_lost = True
-            self.finished_without_main += 1
-            request.main_progress.set()  # wake a wait for MD
+        log.warning("%s: MD lost (%s); RLD finishes the request", lost.request_id, lost.reason)
+        self.finished_without_main += 1
+        request.peer_messages.put_nowait(lost)
 
-    async def _on_kv_ready(self, msg: Msg) -> None:
+    async def _on_kv_ready(self, io: DecoderIO, msg: Msg) -> None:
         try:
             ready = messages.decode_as(msg.data, KVReady)
         except PddError:
             return
-        request = self.requests.get(ready.request_id)
+        request = io.find(ready.request_id)
         if request is not None:
-            request.main_progress.set()
+            request.peer_messages.put_nowait(ready)
 
-    def _plan(self, request: DecodeRequest) -> HandoffPlan:
-        policy = self.config.handoff
+    def _plan(self, request: DecodeRequest, running: int) -> HandoffPlan:
         mode = (HandoffMode(request.assign.handoff_mode) if request.assign.handoff_mode
-                else choose_mode(policy.mode, len(self.requests), policy.catch_up_max_running))
-        return HandoffPlan(mode, policy.catch_up_threshold, request.assign.handoff_at)
+                else choose_mode(self.policy.mode, running, self.policy.catch_up_max_running))
+        return HandoffPlan(mode, self.policy.catch_up_threshold, request.assign.handoff_at)
 
-    async def decode(self, request: DecodeRequest, seq: DecodeSequence) -> None:
-        assign = request.assign
-        plan = self._plan(request)
+    async def decode(self, request: DecodeRequest, io: DecoderIO) -> Phase:
+        assign, seq = request.assign, request.seq
+        plan = self._plan(request, io.running)
         feed = [assign.prompt_ids[-1]]
-        with self.tracer.start_as_current_span("relay.eager_decode") as span:
+        with io.tracer.start_as_current_span("relay.eager_decode") as span:
             span.set_attribute("pdd.handoff_mode", plan.mode.value)
             t0 = time.monotonic()
             while True:
-                if request.main_lost:
-                    finish_reason = await self.step(request, seq, feed)
-                    feed = [seq.output_ids[-1]]
-                    if finish_reason is not None:
-                        span.set_attribute("pdd.finished_without_main", True)
-                        break
-                    continue
-                if request.main_progress.is_set():
-                    request.main_progress.clear()
-                    plan.on_main_progress()
+                while not request.peer_messages.empty():
+                    _note(plan, request.peer_messages.get_nowait())
                 decision = plan.next(len(seq.output_ids))
                 if decision.step is Step.WAIT_FOR_MAIN:
-                    await self._wait_for_main(request)
+                    _note(plan, await request.next_peer_message(f"MD never reported its KV for {request.request_id}"))
                     continue
                 if decision.step in (Step.SEND_CHUNK, Step.CUT):
-                    await self._hand_off(request, seq, decision, plan)
+                    await self._hand_off(request, io, decision, plan)
                     if decision.step is Step.CUT:
+                        outcome = Phase.HANDED_OFF
                         break
                     continue
-                finish_reason = await self.step(request, seq, feed)
+                finish_reason = await io.step(request, feed)
                 feed = [seq.output_ids[-1]]
                 if finish_reason is not None:
+                    outcome = Phase.FINISHED
+                    if plan.main_lost:
+                        span.set_attribute("pdd.finished_without_main", True)
+                        break
                     # RLD finished first: MD drops the request and its WAN transfer (anomalous traffic)
                     span.set_attribute("pdd.finished_on_relay", True)
                     if assign.main_instance:
-                        await bus.publish(self.nc, subjects.handoff(assign.main_instance),
-                                          Handoff(request.request_id, [], finished=True, mode=plan.mode.value))
+                        await io.publish(subjects.handoff(assign.main_instance),
+                                         Handoff(request.request_id, [], finished=True, mode=plan.mode.value))
                     break
             span.set_attributes({"pdd.eager_tokens": len(seq.output_ids), "pdd.eager_s": time.monotonic() - t0,
                                  "pdd.handoff_rounds": plan.rounds, "pdd.catch_up_fell_back": plan.fell_back})
-            self.metrics.eager_tokens.observe(len(seq.output_ids))
+            io.metrics.eager_tokens.observe(len(seq.output_ids))
+        return outcome
 
-    async def _hand_off(self, request: DecodeRequest, seq: DecodeSequence, decision, plan: HandoffPlan) -> None:
+    async def _hand_off(self, request: DecodeRequest, io: DecoderIO, decision: Decision, plan: HandoffPlan) -> None:
         final = decision.step is Step.CUT
-        with self.tracer.start_as_current_span("relay.handoff_chunk") as span:
+        mode = HandoffMode.ONE_SHOT if plan.fell_back else plan.mode
+        with io.tracer.start_as_current_span("relay.handoff_chunk") as span:
             span.set_attributes({"pdd.start": decision.start, "pdd.end": decision.end, "pdd.final": final})
             if final:
-                self.metrics.handoffs.labels("one-shot" if plan.fell_back else plan.mode.value).inc()
-            await bus.publish(self.nc, subjects.handoff(request.assign.main_instance), Handoff(
-                request.request_id, seq.output_ids[decision.start:decision.end], finished=False,
-                start=decision.start, final=final, mode="one-shot" if plan.fell_back else plan.mode.value))
+                io.metrics.handoffs.labels(mode.value).inc()
+            await io.publish(subjects.handoff(request.assign.main_instance), Handoff(
+                request.request_id, request.seq.output_ids[decision.start:decision.end], finished=False,
+                start=decision.start, final=final, mode=mode.value))
 
-    async def _wait_for_main(self, request: DecodeRequest) -> None:
-        remaining = request.assign.deadline_s - (time.monotonic() - request.assigned_at)
-        try:
-            async with asyncio.timeout(max(0.0, remaining)):
-                await request.main_progress.wait()
-        except TimeoutError as exc:
-            raise DeadlineExceeded(f"MD never reported its KV for {request.request_id}") from exc
+
+def _note(plan: HandoffPlan, message: object) -> None:
+    """What a peer's message means for the handoff: MD made progress, or MD is gone."""
+    if isinstance(message, MainLost):
+        plan.on_main_lost()
+    elif isinstance(message, KVReady):
+        plan.on_main_progress()

@@ -1,0 +1,101 @@
+"""One request on a decoder (RLD or MD) and the phases it moves through.
+
+1. KV_WAIT      assigned: its KV inbox is open (MD may already hold a prefix of the prompt in its DRC)
+2. ADMITTING    its KV is complete; it waits for the batch engine's KV budget
+3. DECODING     the role decodes: steps, extends, handoff messages
+4. FINISHED     the last token is out, or
+   HANDED_OFF   RLD cut over: MD makes the rest, or
+   RELAY_FINISHED  MD: RLD made the last token first; MD only keeps the KV
+   FAILED       an error, reported on the request's events (from 1-4)
+   ABORTED      cancelled: the gateway's Abort, RLD finishing first, shutdown (from 1-4)
+5. RELEASED     its inbox, engine KV and registry entry are freed
+
+An Abort cancels only phases 1-3; after them a request finishes its own work (MD's DRC keep).
+`move` is the one way between phases; any other move raises.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from shared import subjects
+from shared.errors import DeadlineExceeded
+from shared.kv_transfer import KVInbox
+from shared.messages import DecodeAssign, Handoff, KVReady, MainLost
+from shared.model_runner import DecodeSequence
+
+
+class Phase(enum.Enum):
+    KV_WAIT = "kv_wait"
+    ADMITTING = "admitting"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    HANDED_OFF = "handed_off"
+    RELAY_FINISHED = "relay_finished"
+    FAILED = "failed"
+    ABORTED = "aborted"
+    RELEASED = "released"
+
+    @property
+    def cancellable(self) -> bool:
+        """Whether an Abort still cancels the request."""
+        return self in (Phase.KV_WAIT, Phase.ADMITTING, Phase.DECODING)
+
+
+_ENDED = {Phase.FAILED, Phase.ABORTED}
+_DECODED = {Phase.FINISHED, Phase.HANDED_OFF, Phase.RELAY_FINISHED}
+_ALLOWED = {
+    Phase.KV_WAIT: {Phase.ADMITTING, *_ENDED},
+    Phase.ADMITTING: {Phase.DECODING, *_ENDED},
+    Phase.DECODING: {*_DECODED, *_ENDED},
+    **{p: {Phase.RELEASED, *_ENDED} for p in _DECODED},  # the work after the decode can still fail
+    **{p: {Phase.RELEASED} for p in _ENDED},
+    Phase.RELEASED: set(),
+}
+
+PeerMessage = KVReady | MainLost | Handoff  # RLD: MD's progress and the gateway's MainLost; MD: RLD's handoffs
+
+
+@dataclass(eq=False)
+class DecodeRequest:
+    """One request on a decoder, from assignment to release."""
+
+    assign: DecodeAssign
+    inbox: KVInbox
+    trace_context: otel_context.Context
+    assigned_at: float = field(default_factory=time.monotonic)
+    phase: Phase = Phase.KV_WAIT
+    seq: DecodeSequence | None = None  # set once admitted
+    peer_messages: asyncio.Queue[PeerMessage] = field(default_factory=asyncio.Queue)  # for the role's decode
+    task: asyncio.Task | None = None
+    span: trace.Span | None = None  # `<role>.request`, for an abort to mark
+
+    @property
+    def request_id(self) -> str:
+        return self.assign.request_id
+
+    @property
+    def events_subject(self) -> str:
+        return subjects.request_events(self.assign.request_id)
+
+    def move(self, phase: Phase) -> None:
+        if phase not in _ALLOWED[self.phase]:
+            raise RuntimeError(f"{self.request_id}: illegal decoder phase move {self.phase.value} -> {phase.value}")
+        self.phase = phase
+
+    def time_left_s(self) -> float:
+        """Until the request's deadline (never below 0)."""
+        return max(0.0, self.assign.deadline_s - (time.monotonic() - self.assigned_at))
+
+    async def next_peer_message(self, missing: str) -> PeerMessage:
+        """The next message a peer sent for this request; DeadlineExceeded(missing) if none comes in time."""
+        try:
+            async with asyncio.timeout(self.time_left_s()):
+                return await self.peer_messages.get()
+        except TimeoutError as exc:
+            raise DeadlineExceeded(missing) from exc

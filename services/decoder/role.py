@@ -1,0 +1,79 @@
+"""The contract between the decoder shell and a role (RLD or MD).
+
+The shell (services/decoder/service.py) owns NATS, the KV socket, the engine and the request
+registry, and hands a role the `DecoderIO` below; the role decides what to do once a request's
+KV is in, and owns whatever only it keeps (MD's DRC, RLD's handoff counters).
+"""
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+import torch
+from nats.aio.msg import Msg
+from opentelemetry import trace
+
+from services.decoder.request import DecodeRequest, Phase
+from shared.messages import DecodeAssign
+from shared.metrics import DecoderMetrics
+from shared.names import Role
+
+
+class DecoderIO(Protocol):
+    """What the shell offers a role."""
+
+    instance_id: str
+    tracer: trace.Tracer
+    metrics: DecoderMetrics
+
+    @property
+    def running(self) -> int:
+        """Requests this decoder holds, in any phase."""
+
+    def find(self, request_id: str) -> DecodeRequest | None: ...
+
+    async def subscribe(self, subject: str, handler: Callable[[Msg], Awaitable[None]]) -> None: ...
+
+    async def publish(self, subject: str, message: object) -> None: ...
+
+    async def forward(self, request: DecodeRequest, feed_ids: list[int]) -> str | None:
+        """Feed tokens and sample the next one into request.seq.output_ids; the finish reason, if it ends."""
+
+    async def step(self, request: DecodeRequest, feed_ids: list[int]) -> str | None:
+        """`forward`, then `publish_token`."""
+
+    async def extend(self, request: DecodeRequest, feed_ids: list[int]) -> None:
+        """Feed tokens without sampling (MD adopting a Catch-Up chunk)."""
+
+    async def export(self, request: DecodeRequest, start: int, end: int) -> torch.Tensor:
+        """A copy of positions [start, end) of the request's KV."""
+
+    async def publish_token(self, request: DecodeRequest, finish_reason: str | None) -> None:
+        """Send the request's newest output token to the gateway."""
+
+
+class DecoderRole(Protocol):
+    """What a role does; each method gets the shell's io where it needs one."""
+
+    role: Role
+
+    async def subscribe(self, io: DecoderIO) -> None:
+        """Subscriptions only this role has."""
+
+    def stats(self) -> dict[str, float]:
+        """Gauges only this role has, for its heartbeat."""
+
+    def hold_prefix(self, assign: DecodeAssign) -> int:
+        """Lock the prompt prefix whose KV this decoder already holds; its length in tokens (P sends the rest)."""
+
+    def assemble_kv(self, request: DecodeRequest, received: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The request's prompt KV in order: a held prefix (then unlocked), then what P sent."""
+
+    async def decode(self, request: DecodeRequest, io: DecoderIO) -> Phase:
+        """Decode an admitted request (request.seq); the phase it ended in (FINISHED, HANDED_OFF, ...)."""
+
+    async def settle(self, request: DecodeRequest, io: DecoderIO) -> None:
+        """Work after the decode that an Abort must not cut short."""
+
+    def release(self, request: DecodeRequest) -> None:
+        """Drop whatever the role holds for the request; called once on every path."""

@@ -1,0 +1,66 @@
+"""MD's half of the handoff: adopting RLD's eager tokens until the cut. Plain logic; no NATS, no model.
+
+RLD sends Handoff messages (when is services/relay/handoff.py's to decide). For each one,
+`Takeover.adopt` says which tokens MD's output gains and what to feed:
+- a Catch-Up chunk (final=False): EXTEND, feeding without sampling all but the newest token, so
+  the cut always has a token left whose logits give the next one;
+- the cut (final=True): CUT, feeding the rest and sampling the next token (extend-decode);
+- finished=True: RLD made the last token itself (RELAY_FINISHED); MD drops the request.
+Tokens MD already holds are skipped: the gateway's recovery handoff repeats all the client has.
+A handoff that starts past what MD holds leaves a gap: ProtocolError.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from shared.errors import ProtocolError
+from shared.messages import Handoff, HandoffStats
+
+
+class Move(enum.Enum):
+    EXTEND = "extend"
+    CUT = "cut"
+    RELAY_FINISHED = "relay_finished"
+
+
+@dataclass(frozen=True)
+class Adoption:
+    move: Move
+    new_ids: list[int]  # eager tokens MD's output gains (the part MD held already skipped)
+    feed_ids: list[int]  # EXTEND: feed without sampling; CUT: feed, then sample the next token
+
+
+class Takeover:
+    """One request's takeover on MD, from its KV being complete to the cut."""
+
+    def __init__(self, last_prompt_id: int) -> None:
+        self.adopted = 0  # eager tokens MD holds as output
+        self.chunks = 0  # handoff messages adopted, the cut's included
+        self.mode = ""  # the last adopted handoff's (one-shot, catch-up, or the gateway's recovery)
+        self.ended = False
+        self._unfed = [last_prompt_id]  # fed tokens lag one behind, so the cut always has logits
+
+    def adopt(self, handoff: Handoff) -> Adoption:
+        if self.ended:
+            raise ProtocolError(f"handoff for {handoff.request_id} after its takeover ended")
+        if handoff.finished:
+            self.ended = True
+            return Adoption(Move.RELAY_FINISHED, [], [])
+        if handoff.start > self.adopted:
+            raise ProtocolError(f"handoff chunk starts at {handoff.start}, MD holds {self.adopted}")
+        new_ids = handoff.eager_ids[self.adopted - handoff.start:]
+        self.adopted += len(new_ids)
+        self.chunks += 1
+        self.mode = handoff.mode
+        unfed = self._unfed + new_ids
+        if handoff.final:
+            self.ended = True
+            self._unfed = []
+            return Adoption(Move.CUT, new_ids, unfed)
+        self._unfed = unfed[-1:]
+        return Adoption(Move.EXTEND, new_ids, unfed[:-1])
+
+    def stats(self, request_id: str, kv_wait_s: float, handoff_s: float) -> HandoffStats:
+        """The handoff's stats for the gateway; extend_s is filled in after the extend-decode pass."""
+        return HandoffStats(request_id, self.adopted, kv_wait_s, handoff_s, 0.0, self.mode, self.chunks)
