@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 import orjson
 
 from shared.errors import ProtocolError
+from shared.names import HandoffMode
 from shared.sampling import SamplingParams
 
-PIPELINES = ("p-md", "p-rld-md")
-TIERS = ("prefill", "relay", "main")
 
 
 @dataclass(frozen=True)
@@ -114,8 +113,6 @@ class KVReady:
     """
 
     request_id: str
-    main_instance: str
-    kv_received_at: float
     adopted_tokens: int = 0
 
 
@@ -124,7 +121,8 @@ class Handoff:
     """RLD to MD: eager token IDs start..start+len-1; `final` marks the cut (RLD has stopped).
 
     One-Shot sends one final Handoff with every eager token; Catch-Up sends chunks, then a final
-    one. `finished` says RLD completed the request itself: MD drops it.
+    one. `finished` says RLD completed the request itself: MD drops it. When RLD is lost before
+    the cut, the gateway sends one final One-Shot Handoff itself with every token the client has.
     """
 
     request_id: str
@@ -132,7 +130,7 @@ class Handoff:
     finished: bool
     start: int = 0
     final: bool = True
-    mode: str = "one-shot"
+    mode: str = HandoffMode.ONE_SHOT
 
 
 @dataclass(frozen=True)
@@ -167,7 +165,7 @@ class HandoffStats:
     kv_wait_s: float
     handoff_s: float  # from MD's first KVReady to the cut
     extend_s: float  # the final extend-decode pass
-    mode: str = "one-shot"
+    mode: str = HandoffMode.ONE_SHOT
     chunks: int = 1  # handoff messages, the final one included
 
 

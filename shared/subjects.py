@@ -5,7 +5,6 @@ See docs/protocol.md for who publishes and who subscribes to each.
 from __future__ import annotations
 
 PREFIX = "pdd"
-ROLES = ("prefill", "relay", "main")
 
 
 def heartbeat(role: str) -> str:

@@ -281,17 +281,23 @@ class FakeRun:
     """A scripted token stream: `relay_tokens` from RLD first, then MD, with handoff stats."""
 
     def __init__(self, req: GenerationRequest, token_ids: list[int], finish: str, relay_tokens: int,
-                 fail_at: int | None, endless: bool, stall_at: int | None) -> None:
+                 fail_at: int | None, endless: bool, stall_at: int | None,
+                 first_token_gate: asyncio.Event | None = None) -> None:
         self.request_id = req.request_id
         self.pipeline = req.pipeline or "p-rld-md"
         self.cached_tokens = 3
         self.handoff: HandoffStats | None = None
+        self.cut_index = relay_tokens or None  # the run decides the cut; the HTTP layer reads it
+        self.recovery = None
+        self._first_token_gate = first_token_gate
         self.close_reasons: list[str] = []
         self.closed = asyncio.Event()
         self._token_ids, self._finish, self._relay_tokens = token_ids, finish, relay_tokens
         self._fail_at, self._endless, self._stall_at = fail_at, endless, stall_at
 
     async def tokens(self) -> AsyncIterator[TokenEvent]:
+        if self._first_token_gate is not None:
+            await self._first_token_gate.wait()  # prefill
         for i, token in enumerate(self._token_ids):
             if i == self._fail_at:
                 raise PeerGone("main decode went away")
@@ -318,12 +324,13 @@ class FakeRun:
 class FakeDispatcher:
     def __init__(self, tokenizer, text: str = "", finish: str = "stop", relay_tokens: int = 0,
                  fail_at: int | None = None, unavailable: bool = False, endless: bool = False,
-                 stall_at: int | None = None) -> None:
+                 stall_at: int | None = None, first_token_gate: asyncio.Event | None = None) -> None:
         self.token_ids = tokenizer.encode(text, add_special_tokens=False)
         if finish == "stop":
             self.token_ids.append(tokenizer.eos_token_id)
         self.finish, self.relay_tokens, self.fail_at = finish, relay_tokens, fail_at
         self.unavailable, self.endless, self.stall_at = unavailable, endless, stall_at
+        self.first_token_gate = first_token_gate
         self.requests: list[GenerationRequest] = []
         self.runs: list[FakeRun] = []
 
@@ -332,7 +339,7 @@ class FakeDispatcher:
             raise PeerGone("no prefill instance is alive")
         self.requests.append(req)
         self.runs.append(FakeRun(req, self.token_ids, self.finish, self.relay_tokens, self.fail_at, self.endless,
-                                 self.stall_at))
+                                 self.stall_at, self.first_token_gate))
         return self.runs[-1]
 
 
@@ -391,6 +398,26 @@ async def test_streamed_chat_marks_every_token_with_its_tier_and_the_handoff(tok
     req = dispatcher.requests[0]
     assert req.request_id.startswith("req-") and req.pipeline == "p-rld-md" and req.handoff_at == 4
     assert dispatcher.runs[0].close_reasons == ["finished"]
+
+
+async def test_no_chunk_is_streamed_before_the_first_token(tokenizer):
+    """A client times its first chunk as the TTFT: the role rides on the first token's chunk."""
+    gate = asyncio.Event()
+    dispatcher = FakeDispatcher(tokenizer, TEXT, finish="stop", first_token_gate=gate)
+    body = {"model": MODEL, "messages": USER_HI, "stream": True}
+    async with serve(dispatcher, tokenizer) as url, aiohttp.ClientSession() as session, \
+            session.post(url + "/chat/completions", json=body) as r:
+        assert r.status == 200
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await r.content.readuntil(b"\n\n")
+        gate.set()
+        first = orjson.loads((await r.content.readuntil(b"\n\n")).removeprefix(b"data: "))
+        second = orjson.loads((await r.content.readuntil(b"\n\n")).removeprefix(b"data: "))
+    first_text = tokenizer.decode(dispatcher.token_ids[:1])
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": first_text}
+    assert first["pdd"]["tokens"][0]["index"] == 0
+    assert "role" not in second["choices"][0]["delta"] and second["pdd"]["tokens"][0]["index"] == 1
 
 
 async def test_completion_with_stop_string_cuts_text_and_counts_tokens_to_the_stop(tokenizer):

@@ -71,9 +71,11 @@ def test_index_mirrors_the_main_cache_from_its_events() -> None:
 
 
 def _state(pipeline="p-rld-md", cut_done=False, lost=(), streamed=5, prefill_done=True, migrations_left=2,
-           policy="recover"):
+           policy="recover", phase=None):
+    from services.gateway.run.attempt import AttemptPhase
     from services.gateway.run.recovery import RunState
-    return RunState(pipeline, cut_done, frozenset(lost), streamed, prefill_done, migrations_left, policy)
+    phase = phase or (AttemptPhase.CUT if cut_done else AttemptPhase.DISPATCHED)
+    return RunState(pipeline, phase, frozenset(lost), streamed, prefill_done, migrations_left, policy)
 
 
 def test_recovery_before_the_cut_keeps_the_other_decoder() -> None:
@@ -106,6 +108,15 @@ def test_a_lost_prefill_is_retried_only_before_any_token() -> None:
     assert on_tier_lost(_state(streamed=3, prefill_done=False), "prefill") is Action.FINISH_ON_RELAY
     # MD streams: it holds its KV
     assert on_tier_lost(_state("p-md", streamed=3, prefill_done=False), "prefill") is Action.IGNORE
+
+
+def test_once_relay_finishes_alone_a_lost_main_changes_nothing() -> None:
+    from services.gateway.run.attempt import AttemptPhase
+    from services.gateway.run.recovery import Action, on_tier_lost
+
+    alone = AttemptPhase.RELAY_ALONE  # P was lost before MD's KV was out: MD was let go, not lost
+    assert on_tier_lost(_state(phase=alone, prefill_done=False), "main") is Action.IGNORE
+    assert on_tier_lost(_state(phase=alone, prefill_done=False), "relay") is Action.MIGRATE
 
 
 def test_the_fail_policy_fails_everything_but_what_needs_no_recovery() -> None:
@@ -160,7 +171,40 @@ def test_the_predicted_main_start_counts_the_fixed_costs() -> None:
     bare = LinkEstimate(link_bytes_per_s=1e9, prefill_tokens_per_s=1e4, main_queue_s=0.0)
     costly = LinkEstimate(link_bytes_per_s=1e9, prefill_tokens_per_s=1e4, main_queue_s=0.0, prefill_fixed_s=0.2,
                           round_trip_s=0.06)
-    small = dict(prompt_tokens=100, max_tokens=64, main_hit_tokens=60, kv_bytes_per_token=46080)
+    small = {"prompt_tokens": 100, "max_tokens": 64, "main_hit_tokens": 60, "kv_bytes_per_token": 46080}
     fast = choose_pipeline(CONFIG, estimate=bare, **small)
     slow = choose_pipeline(CONFIG, estimate=costly, **small)
     assert abs(slow.predicted_main_ready_s - fast.predicted_main_ready_s - 0.26) < 1e-9
+
+
+def test_routing_forgets_the_cache_of_a_main_found_dead() -> None:
+    import time
+
+    from services.gateway.routing.dispatcher import Dispatcher
+    from services.gateway.routing.registry import InstanceRegistry
+    from shared.config import CommonConfig, GatewayConfig
+    from shared.messages import Heartbeat
+
+    def beat(instance_id: str) -> Heartbeat:
+        return Heartbeat("main", instance_id, "127.0.0.1", 1, "m", 0, 0, time.time())
+
+    index = MainCacheIndex()
+    registry = InstanceRegistry(stale_after_s=60, on_gone=index.forget)
+    config = GatewayConfig(common=CommonConfig("nats://127.0.0.1:4222", "gw", "INFO", "", 1.0), model="tiny",
+                           host="127.0.0.1", port=0, default_pipeline="auto", request_timeout_s=10.0,
+                           token_timeout_s=5.0, max_body_bytes=1024, default_max_tokens=8)
+    dispatcher = Dispatcher(None, registry, config, index)
+    prompt = list(range(100, 164))
+    cache = RadixCache(capacity_tokens=400, capacity_bytes=1 << 30, event_block_tokens=16,
+                       listener=lambda event: index.apply("md-a", [event.__dict__]))
+    cache.insert(prompt, torch.zeros(1, 2, 1, len(prompt), 4))
+    for md in ("md-a", "md-b"):
+        registry.observe(beat(md))
+    main, hit = dispatcher._choose_main(prompt + [1], avoid=set())
+    assert main.heartbeat.instance_id == "md-a" and hit == 64, "routing follows the cached prefix"
+    registry.done("md-a")
+    registry.mark_gone("md-a")
+    assert "md-a" not in index.instances()
+    registry.observe(beat("md-a"))  # restarted under the same id, with an empty cache
+    main, hit = dispatcher._choose_main(prompt + [1], avoid=set())
+    assert hit == 0 and index.hit_tokens("md-a", prompt) == 0, "a dead MD's cache no longer attracts requests"

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import asyncio
 
+from services.gateway.service import GatewayService
 from shared import tracing
 from shared.config import GatewayConfig
 from shared.service_runtime import run_service, setup_logging
-from services.gateway.service import GatewayService
 
 
 async def main() -> None:

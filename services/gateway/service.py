@@ -12,23 +12,31 @@ from aiohttp import web
 from nats.aio.msg import Msg
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from services.gateway.http.admission import Admission
+from services.gateway.http.http_errors import error_middleware
+from services.gateway.http.openai_api import OpenAIHandlers
+from services.gateway.observe.dashboard import DashboardHandlers
+from services.gateway.observe.request_telemetry import (
+    RequestTelemetry,
+    tracing_middleware,
+)
+from services.gateway.observe.trace_store import OtlpReceiver, TraceStore
+from services.gateway.routing.cache_index import MainCacheIndex
+from services.gateway.routing.dispatcher import Dispatcher
+from services.gateway.routing.liveness import ping_instances
+from services.gateway.routing.registry import InstanceRegistry
 from shared import bus, messages, subjects
 from shared.config import GatewayConfig, read_secret
 from shared.errors import PddError
 from shared.messages import CacheEvents, Heartbeat
 from shared.metrics import GatewayMetrics
-from shared.subjects import ROLES
-from shared.models import load_tokenizer, max_context_tokens, resolve_model, served_model_name
-from services.gateway.http.admission import Admission
-from services.gateway.routing.cache_index import MainCacheIndex
-from services.gateway.observe.dashboard import DashboardHandlers
-from services.gateway.routing.dispatcher import Dispatcher
-from services.gateway.http.http_errors import error_middleware
-from services.gateway.routing.liveness import ping_instances
-from services.gateway.http.openai_api import OpenAIHandlers
-from services.gateway.routing.registry import InstanceRegistry
-from services.gateway.observe.request_telemetry import RequestTelemetry, tracing_middleware
-from services.gateway.observe.trace_store import OtlpReceiver, TraceStore
+from shared.models import (
+    load_tokenizer,
+    max_context_tokens,
+    resolve_model,
+    served_model_name,
+)
+from shared.names import Role
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +52,11 @@ class GatewayService:
         self.tokenizer = load_tokenizer(path)
         self.served_model = served_model_name(path)
         self.max_context_tokens = max_context_tokens(path)
-        self.registry = InstanceRegistry(stale_after_s=STALE_HEARTBEATS * config.common.heartbeat_s)
         self.cache_index = MainCacheIndex()
+        self.registry = InstanceRegistry(stale_after_s=STALE_HEARTBEATS * config.common.heartbeat_s,
+                                         on_gone=self.cache_index.forget)
         self.metrics = GatewayMetrics()
-        for role in ("prefill", "relay", "main"):
+        for role in Role:
             self.metrics.live_instances.labels(role).set_function(lambda role=role: len(self.registry.alive(role)))
         self.trace_store = TraceStore(config.trace_store_traces)
         self.otlp_receiver = OtlpReceiver(self.trace_store, config.otlp_forward_endpoint)
@@ -102,8 +111,8 @@ class GatewayService:
     async def _healthz(self, request: web.Request) -> web.Response:
         """Healthy when every role has an instance that answered a liveness ping just now (heartbeats
         alone only prove the path from the instance to here; after a WAN cut the other may lag)."""
-        heard = {role: len(self.registry.alive(role)) for role in ROLES}
-        counts = {role: len(self.registry.answering(role, HEALTH_ANSWER_WITHIN_S)) for role in ROLES}
+        heard = {str(role): len(self.registry.alive(role)) for role in Role}
+        counts = {str(role): len(self.registry.answering(role, HEALTH_ANSWER_WITHIN_S)) for role in Role}
         ok = all(counts.values()) and self.nc.is_connected
         return web.json_response({"status": "ok" if ok else "degraded", "instances": counts, "heard": heard},
                                  status=200 if ok else 503)

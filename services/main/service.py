@@ -133,7 +133,7 @@ class MainRole:
 
     async def _report_progress(self, request: DecodeRequest, io: DecoderIO, adopted_tokens: int) -> None:
         await io.publish(subjects.kv_ready(request.assign.relay_instance),
-                         KVReady(request.request_id, io.instance_id, time.time(), adopted_tokens))
+                         KVReady(request.request_id, adopted_tokens))
 
     async def _publish_token(self, request: DecodeRequest, io: DecoderIO, finish_reason: str | None) -> None:
         if finish_reason is not None:

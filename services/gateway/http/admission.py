@@ -27,7 +27,6 @@ class Admission:
         self.max_running = max_running
         self.api_key = api_key
         self.running = 0
-        self.refused = 0
 
     def check_key(self, request: web.Request) -> None:
         if self.api_key is None:
@@ -39,7 +38,6 @@ class Admission:
     @contextlib.contextmanager
     def slot(self) -> Iterator[None]:
         if self.max_running and self.running >= self.max_running:
-            self.refused += 1
             raise Overloaded(f"the gateway is at its limit of {self.max_running} requests in flight; retry shortly")
         self.running += 1
         try:

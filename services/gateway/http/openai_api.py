@@ -19,14 +19,21 @@ from opentelemetry import trace
 from services.gateway.http.admission import Admission
 from services.gateway.http.detokenizer import OutputText
 from services.gateway.http.http_errors import error_payload
-from services.gateway.http.request_parsing import (ParsedRequest, PayloadTooLarge, decode_json_body, parse_chat_request,
-                                              parse_completion_request)
+from services.gateway.http.request_parsing import (
+    ParsedRequest,
+    PayloadTooLarge,
+    decode_json_body,
+    parse_chat_request,
+    parse_completion_request,
+)
 from services.gateway.observe.request_telemetry import RequestTelemetry
-from services.gateway.run.request_run import GenerationRequest, new_request_id
+from services.gateway.run.attempt import GenerationRequest
+from services.gateway.run.request_run import new_request_id
 from shared import tracing
 from shared.config import GatewayConfig
 from shared.errors import DeadlineExceeded, PddError, RequestAborted
 from shared.metrics import GatewayMetrics
+from shared.names import Role
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -50,7 +57,7 @@ class _Step:
     tier: str
     text: str
     finish_reason: str | None
-    handoff: Json | None  # set on the one step that first reports MD's takeover
+    handoff: Json | None  # MD's handoff stats, on the step at the run's cut (if they are known by then)
 
 
 class _ClientGone(Exception):
@@ -72,7 +79,7 @@ class _Generation:
         self._deadline = asyncio.get_running_loop().time() + config.request_timeout_s
         self._token_timeout_s = config.token_timeout_s
         self._handoff_reported = False
-        self.tokens_by_tier = {"relay": 0, "main": 0}
+        self.tokens_by_tier = {str(Role.RELAY): 0, str(Role.MAIN): 0}
         self.token_log: list[tuple[float, str]] = []  # (time.monotonic(), tier) of each token, for metrics
         self.finish_reason: str | None = None
         self.close_reason = "error"  # what run.close() is told; replaced once we know better
@@ -99,7 +106,7 @@ class _Generation:
         if finish is not None:
             self.finish_reason = finish
             self.close_reason = "stop_string" if delta.stopped else "finished"
-        handoff = self.take_handoff() if event.tier == "main" and self.tokens_by_tier["relay"] else None
+        handoff = self.take_handoff() if event.index == self.run.cut_index else None
         return _Step(event.index, event.token_id, event.tier, text, finish, handoff)
 
     def summary(self) -> Json:
@@ -167,20 +174,18 @@ class _Shapes:
     def _choice(self, text: str, finish_reason: str | None, *, first: bool = False) -> Json:
         if not self.chat:
             return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        if first:
-            delta: Json = {"role": "assistant", "content": ""}
-        else:
-            delta = {} if finish_reason is not None else {"content": text}
+        delta: Json = {} if finish_reason is not None else {"content": text}
+        if first:  # OpenAI's first chunk names the role beside the first token's text
+            delta = {"role": "assistant", **delta}
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
-    def role_chunk(self) -> Json:
-        return self._chunk([self._choice("", None, first=True)])
-
     def token_chunk(self, step: _Step, pipeline: str) -> Json:
+        """The chunk of one token; the first (index 0) also carries the assistant role, so that the
+        first chunk a client sees is the first token (its time is the TTFT clients measure)."""
         pdd: Json = {"tokens": [{"index": step.index, "id": step.token_id, "tier": step.tier}], "pipeline": pipeline}
         if step.handoff is not None:
             pdd["handoff"] = step.handoff
-        return {**self._chunk([self._choice(step.text, None)]), "pdd": pdd}
+        return {**self._chunk([self._choice(step.text, None, first=step.index == 0)]), "pdd": pdd}
 
     def final_chunk(self, finish_reason: str, summary: Json, handoff: Json | None) -> Json:
         pdd: Json = {**summary, "tokens": []}
@@ -327,8 +332,6 @@ class OpenAIHandlers:
             "X-Request-Id": run.request_id})
         try:
             await response.prepare(request)
-            if shapes.chat:
-                await _send(response, _sse(shapes.role_chunk()))
             try:
                 while True:
                     step = await generation.next_step()

@@ -16,7 +16,7 @@ import orjson
 
 from shared.config import GatewayConfig
 from shared.errors import BadRequest
-from shared.messages import PIPELINES
+from shared.names import FailurePolicy, HandoffMode, Pipeline, choices
 from shared.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -25,8 +25,6 @@ if TYPE_CHECKING:
 MAX_STOP_STRINGS = 4
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # ints travel to the workers as JSON, which orjson caps at 64 bits
 PDD_EXTENSION_FIELDS = ("pipeline", "handoff_at", "md_kv_delay_ms", "handoff_mode", "failure_policy")
-FAILURE_POLICIES = ("recover", "fail")
-HANDOFF_MODES = ("one-shot", "catch-up")
 
 
 class InvalidParam(BadRequest):
@@ -53,11 +51,11 @@ class ParsedRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
-    pipeline: str | None
+    pipeline: Pipeline | None
     handoff_at: int | None
     md_kv_delay_s: float
-    handoff_mode: str | None = None
-    failure_policy: str | None = None
+    handoff_mode: HandoffMode | None = None
+    failure_policy: FailurePolicy | None = None
 
 
 def decode_json_body(raw: bytes, max_body_bytes: int) -> object:
@@ -210,25 +208,28 @@ def _stop_strings(stop: object) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _pdd_extension(ext: Mapping[str, object]) -> tuple[str | None, int | None, float, str | None, str | None]:
+def _pdd_extension(ext: Mapping[str, object]) -> tuple[Pipeline | None, int | None, float, HandoffMode | None,
+                                                        FailurePolicy | None]:
     unknown = sorted(set(ext) - set(PDD_EXTENSION_FIELDS))
     if unknown:  # our own knobs: a typo should fail loudly, not run the default silently
         raise InvalidParam("pdd", f"unknown pdd fields {unknown}; known: {list(PDD_EXTENSION_FIELDS)}")
-    pipeline = ext.get("pipeline")
-    if pipeline is not None and pipeline not in PIPELINES:
-        raise InvalidParam("pdd.pipeline", f"pdd.pipeline must be one of {list(PIPELINES)}")
+    pipeline = _one_of(ext, "pipeline", choices(Pipeline.requestable()))
     delay_ms = _number(ext, "md_kv_delay_ms", "pdd.")
     if delay_ms is not None and delay_ms < 0:
         raise InvalidParam("pdd.md_kv_delay_ms", "pdd.md_kv_delay_ms must be >= 0")
     handoff_at = _int(ext, "handoff_at", minimum=0, prefix="pdd.")
-    handoff_mode = ext.get("handoff_mode")
-    if handoff_mode is not None and handoff_mode not in HANDOFF_MODES:
-        raise InvalidParam("pdd.handoff_mode", f"pdd.handoff_mode must be one of {list(HANDOFF_MODES)}")
-    failure_policy = ext.get("failure_policy")
-    if failure_policy is not None and failure_policy not in FAILURE_POLICIES:
-        raise InvalidParam("pdd.failure_policy", f"pdd.failure_policy must be one of {list(FAILURE_POLICIES)}")
-    return ((None if pipeline is None else str(pipeline)), handoff_at, (delay_ms or 0.0) / 1000.0, handoff_mode,
-            failure_policy)
+    handoff_mode = _one_of(ext, "handoff_mode", choices(HandoffMode))
+    failure_policy = _one_of(ext, "failure_policy", choices(FailurePolicy))
+    return (None if pipeline is None else Pipeline(pipeline), handoff_at, (delay_ms or 0.0) / 1000.0,
+            None if handoff_mode is None else HandoffMode(handoff_mode),
+            None if failure_policy is None else FailurePolicy(failure_policy))
+
+
+def _one_of(ext: Mapping[str, object], name: str, allowed: tuple[str, ...]) -> str | None:
+    value = ext.get(name)
+    if value is not None and (not isinstance(value, str) or value not in allowed):
+        raise InvalidParam(f"pdd.{name}", f"pdd.{name} must be one of {list(allowed)}")
+    return value
 
 
 def _object(fields: Mapping[str, object], name: str) -> Mapping[str, object]:

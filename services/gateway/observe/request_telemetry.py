@@ -18,8 +18,10 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.gateway.http.http_errors import error_payload
+from services.gateway.run.recovery import Action
 from shared import tracing
 from shared.metrics import GatewayMetrics
+from shared.names import HandoffMode, Role
 
 if TYPE_CHECKING:
     from services.gateway.run.request_run import RequestRun
@@ -35,7 +37,7 @@ class FinishedGeneration(Protocol):
     """What RequestTelemetry reads of openai_api's _Generation."""
 
     run: RequestRun
-    token_log: list[tuple[float, str]]  # (time.monotonic(), tier) per token handed to the HTTP layer
+    token_log: list[tuple[float, str]]  # (time.monotonic(), tier) per token handed to the HTTP layer, by index
     tokens_by_tier: dict[str, int]
     finish_reason: str | None
     close_reason: str
@@ -113,15 +115,16 @@ class RequestTelemetry:
             m.time_per_output_token.labels(pipeline).observe((times[-1] - times[0]) / (len(times) - 1))
             for a, b in zip(times, times[1:]):
                 m.inter_token.labels(pipeline).observe(b - a)
-        cut = next((i for i, (_, tier) in enumerate(generation.token_log)
-                    if i and tier == "main" and generation.token_log[i - 1][1] == "relay"), None)
+        cut = getattr(run, "cut_index", None)  # decided by the run
+        cut = cut if cut is not None and 0 < cut < len(times) else None
         stall_s = times[cut] - times[cut - 1] if cut is not None else None
-        if run.handoff is not None:
-            mode = run.handoff.mode or "one-shot"
+        # a takeover after RLD was lost is a recovery (pdd_recoveries_total), not a planned handoff
+        if run.handoff is not None and getattr(run, "recovery", None) != Action.MAIN_TAKES_OVER.value:
+            mode = run.handoff.mode or HandoffMode.ONE_SHOT
             m.handoffs.labels(mode).inc()
             if stall_s is not None:
                 m.handoff_stall.labels(mode).observe(stall_s)
-        main_kv = getattr(run, "kv_received", {}).get("main")
+        main_kv = getattr(run, "kv_received", {}).get(Role.MAIN)
         decision = getattr(run, "decision", None)
         if decision is not None and main_kv is not None:
             m.main_ready_error.observe(main_kv.kv_wait_s - decision.predicted_main_ready_s)

@@ -3,8 +3,9 @@
 Each MD publishes `stored`/`evicted` events naming radix-tree nodes by (hash of the token prefix
 up to the node's end, end), plus the prefixes ending at each block boundary inside the node.
 Routing never asks MD: it hashes a request's prompt at the ends the index knows and takes the
-longest that matches. A hit that ends inside a node is under-counted by less than one block. An MD that restarts comes back under a new instance
-id; `forget` drops an instance the registry no longer sees.
+longest that matches. A hit that ends inside a node is under-counted by less than one block.
+An MD found dead is forgotten (the registry calls `forget`): its cache died with it, and one that
+restarts under the same id starts empty.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ class MainCacheIndex:
         return max((end for end in ends if hashes[end] in nodes[end]), default=0)
 
     def forget(self, instance_id: str) -> None:
+        """The instance's process is gone: nothing it cached is there any more."""
         self._nodes.pop(instance_id, None)
 
     def instances(self) -> list[str]:

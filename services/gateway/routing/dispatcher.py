@@ -10,23 +10,37 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from services.gateway.routing.cache_index import MainCacheIndex
+from services.gateway.routing.policy import (
+    LinkEstimate,
+    PipelineDecision,
+    PolicyConfig,
+    choose_pipeline,
+)
+from services.gateway.routing.registry import Instance, InstanceRegistry
+from services.gateway.routing.telemetry import Telemetry
+from services.gateway.run.attempt import Attempt, GenerationRequest
+from services.gateway.run.request_run import RequestRun
 from shared import bus, subjects, tracing
 from shared.config import GatewayConfig
 from shared.errors import DeadlineExceeded, PeerGone
+from shared.messages import (
+    Abort,
+    DecodeAccepted,
+    DecodeAssign,
+    Heartbeat,
+    KVTarget,
+    PrefillAccepted,
+    PrefillDone,
+    PrefillRequest,
+)
 from shared.metrics import GatewayMetrics
-from shared.messages import (Abort, DecodeAccepted, DecodeAssign, Heartbeat, KVTarget, PrefillAccepted, PrefillDone,
-                             PrefillRequest)
-from services.gateway.routing.cache_index import MainCacheIndex
-from services.gateway.routing.policy import LinkEstimate, PipelineDecision, PolicyConfig, choose_pipeline
-from services.gateway.routing.registry import Instance, InstanceRegistry
-from services.gateway.run.request_run import Attempt, GenerationRequest, RequestRun
-from services.gateway.routing.telemetry import Telemetry
+from shared.names import AUTO, Pipeline, Role
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +50,13 @@ NO_MAIN_REASON = "no main decode reachable: RLD serves alone"
 
 class Dispatcher:
     def __init__(self, nc: NATS, registry: InstanceRegistry, config: GatewayConfig, cache_index: MainCacheIndex,
-                 counters: Counter[str] | None = None, metrics: GatewayMetrics | None = None) -> None:
+                 metrics: GatewayMetrics | None = None) -> None:
         self.nc = nc
         self.metrics = metrics or GatewayMetrics()
         self.registry = registry
         self.config = config
         self.cache_index = cache_index
         self.telemetry = Telemetry()
-        self.counters: Counter[str] = counters if counters is not None else Counter()
         self.policy = PolicyConfig(config.ttft_slo_s, config.ttft_budget_fraction, config.skip_wan_max_tokens,
                                    config.wan_mbps_guess * 1e6 / 8, config.prefill_tokens_per_s_guess)
         self.tracer = tracing.tracer("pdd.gateway")
@@ -83,7 +96,7 @@ class Dispatcher:
             return hit - self.config.route_load_penalty_tokens * instance.load
 
         try:
-            main = self.registry.pick("main", score, avoid)
+            main = self.registry.pick(Role.MAIN, score, avoid)
         except PeerGone:
             return None
         return main, hits.get(main.heartbeat.instance_id, 0)
@@ -100,30 +113,31 @@ class Dispatcher:
         kv_bytes_per_token = int(prefill.heartbeat.stats.get("kv_bytes_per_token", 0))
         decision = choose_pipeline(self.policy, len(req.prompt_ids), req.sampling.max_tokens, main_hit,
                                    kv_bytes_per_token, estimate)
-        forced = req.pipeline or (None if self.config.default_pipeline == "auto" else self.config.default_pipeline)
+        default = None if self.config.default_pipeline == AUTO else Pipeline(self.config.default_pipeline)
+        forced = req.pipeline or default
         if forced is not None and forced != decision.pipeline:
             decision = dataclasses.replace(decision, pipeline=forced, reason="named by the request or gateway flag")
         return decision
 
-    def _plan(self, req: GenerationRequest, avoid: set[str]) -> tuple[PipelineDecision, dict[str, Instance]]:
+    def _plan(self, req: GenerationRequest, avoid: set[str]) -> tuple[PipelineDecision, dict[Role, Instance]]:
         """The pipeline and an instance per role in it. With no MD reachable (all dead, or the WAN
         cut), RLD serves alone (P-RLD), counted as its own decision, rather than nobody."""
-        prefill = self.registry.pick("prefill", avoid=avoid)
+        prefill = self.registry.pick(Role.PREFILL, avoid=avoid)
         chosen = self._choose_main(req.prompt_ids, avoid)
         if chosen is None:
-            decision = PipelineDecision("p-rld", NO_MAIN_REASON, 0, 0, 0.0, self.policy.budget_s)
-            relay = self._pick_or_release("relay", avoid, [prefill])
-            return decision, {"prefill": prefill, "relay": relay}
+            decision = PipelineDecision(Pipeline.P_RLD, NO_MAIN_REASON, 0, 0, 0.0, self.policy.budget_s)
+            relay = self._pick_or_release(Role.RELAY, avoid, [prefill])
+            return decision, {Role.PREFILL: prefill, Role.RELAY: relay}
         main, main_hit = chosen
         decision = self._decide(req, main, main_hit, prefill)
-        instances = {"prefill": prefill, "main": main}
-        if decision.pipeline in ("p-rld-md", "p-rld"):
-            instances["relay"] = self._pick_or_release("relay", avoid, [prefill, main])
-        if decision.pipeline == "p-rld":
-            self.registry.done(instances.pop("main").heartbeat.instance_id)
+        instances = {Role.PREFILL: prefill, Role.MAIN: main}
+        if decision.pipeline.uses_relay:
+            instances[Role.RELAY] = self._pick_or_release(Role.RELAY, avoid, [prefill, main])
+        if not decision.pipeline.uses_main:
+            self.registry.done(instances.pop(Role.MAIN).heartbeat.instance_id)
         return decision, instances
 
-    def _pick_or_release(self, role: str, avoid: set[str], picked: list[Instance]) -> Instance:
+    def _pick_or_release(self, role: Role, avoid: set[str], picked: list[Instance]) -> Instance:
         try:
             return self.registry.pick(role, avoid=avoid)
         except PeerGone:
@@ -137,7 +151,6 @@ class Dispatcher:
         decision, chosen = self._plan(req, avoid)
         pipeline = decision.pipeline
         self._record_policy(req, chosen, decision, policy_started_ns)
-        self.counters[f"pipeline.{pipeline}"] += 1
         attempt = Attempt(req, output_offset, pipeline, decision,
                           {role: instance.heartbeat.instance_id for role, instance in chosen.items()})
         attempt.subscription = await self.nc.subscribe(subjects.request_events(req.request_id), cb=on_event)
@@ -152,18 +165,18 @@ class Dispatcher:
                     **{f"pdd.instance.{role}": iid for role, iid in attempt.instances.items()}})
                 headers = tracing.inject()
                 assign = DecodeAssign(
-                    req.request_id, pipeline, req.prompt_ids, req.sampling, attempt.instances.get("relay"),
-                    attempt.instances.get("main", ""), self.config.request_timeout_s, req.handoff_at,
+                    req.request_id, pipeline, req.prompt_ids, req.sampling, attempt.instances.get(Role.RELAY),
+                    attempt.instances.get(Role.MAIN, ""), self.config.request_timeout_s, req.handoff_at,
                     handoff_mode=req.handoff_mode, owner=self.config.common.instance_id, output_offset=output_offset)
-                decoders = [(role, chosen[role]) for role in ("main", "relay") if role in chosen]
+                decoders = [(role, chosen[role]) for role in (Role.MAIN, Role.RELAY) if role in chosen]
                 accepted = await asyncio.gather(*(self._call(role, inst, assign, headers) for role, inst in decoders))
                 targets = [KVTarget(role, acc.kv_host, acc.kv_port, acc.cached_tokens,
-                                    req.md_kv_delay_s if role == "main" else 0.0)
+                                    req.md_kv_delay_s if role is Role.MAIN else 0.0)
                            for (role, _), acc in zip(decoders, accepted)]
-                prefill_accepted = await self._call("prefill", chosen["prefill"], PrefillRequest(
+                prefill_accepted = await self._call(Role.PREFILL, chosen[Role.PREFILL], PrefillRequest(
                     req.request_id, req.prompt_ids, targets, self.config.request_timeout_s), headers)
                 attempt.cached_tokens = prefill_accepted.cached_tokens
-                attempt.main_cached_tokens = accepted[0].cached_tokens if "main" in chosen else 0
+                attempt.main_cached_tokens = accepted[0].cached_tokens if Role.MAIN in chosen else 0
                 span.set_attributes({"pdd.prefill_cached_tokens": attempt.cached_tokens,
                                      "pdd.main_cached_tokens": attempt.main_cached_tokens})
         except BaseException:
@@ -203,16 +216,15 @@ class Dispatcher:
         self.telemetry.observe_prefill(done.computed_tokens, done.prefill_s)
 
     def _count_recovery(self, action: str) -> None:
-        self.counters[f"recovery.{action}"] += 1
         self.metrics.recoveries.labels(action).inc()
 
-    def _record_policy(self, req: GenerationRequest, chosen: dict[str, Instance], decision: PipelineDecision,
+    def _record_policy(self, req: GenerationRequest, chosen: dict[Role, Instance], decision: PipelineDecision,
                        started_ns: int) -> None:
         """The `gateway.policy` span (the routing and pipeline choice, with what it was based on) and
         the decision counter."""
         self.metrics.pipeline_decisions.labels(decision.pipeline, decision.reason).inc()
-        prefill = chosen["prefill"].heartbeat
-        main = chosen.get("main")
+        prefill = chosen[Role.PREFILL].heartbeat
+        main = chosen.get(Role.MAIN)
         link = (prefill.link_bytes_per_s.get(f"{main.heartbeat.kv_host}:{main.heartbeat.kv_port}")
                 if main is not None else None)
         tracing.record_span(self.tracer, "gateway.policy", started_ns, time.time_ns(), {
@@ -229,10 +241,10 @@ class Dispatcher:
             **({"pdd.main_round_trip_s": self.telemetry.round_trip_s[main.heartbeat.instance_id]}
                if main is not None and main.heartbeat.instance_id in self.telemetry.round_trip_s else {})})
 
-    async def _call(self, role: str, instance: Instance, msg: object, headers: dict[str, str]) -> object:
+    async def _call(self, role: Role, instance: Instance, msg: object, headers: dict[str, str]) -> object:
         instance_id = instance.heartbeat.instance_id
-        subject = subjects.prefill(instance_id) if role == "prefill" else subjects.decode_assign(role, instance_id)
-        reply_type = PrefillAccepted if role == "prefill" else DecodeAccepted
+        subject = subjects.prefill(instance_id) if role is Role.PREFILL else subjects.decode_assign(role, instance_id)
+        reply_type = PrefillAccepted if role is Role.PREFILL else DecodeAccepted
         try:
             return await bus.request(self.nc, subject, msg, reply_type, ASSIGN_TIMEOUT_S, headers)
         except (PeerGone, DeadlineExceeded) as exc:

@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 from nats.aio.client import Client as NATS
 
+from services.gateway.routing.registry import InstanceRegistry
 from shared import bus, subjects
 from shared.messages import Heartbeat
-from services.gateway.routing.registry import InstanceRegistry
 
 log = logging.getLogger(__name__)
 

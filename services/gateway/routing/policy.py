@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.names import Pipeline
+
 
 @dataclass(frozen=True)
 class PolicyConfig:
@@ -40,7 +42,7 @@ class LinkEstimate:
 
 @dataclass(frozen=True)
 class PipelineDecision:
-    pipeline: str  # "p-md" | "p-rld-md" | "p-rld"
+    pipeline: Pipeline
     reason: str
     main_hit_tokens: int
     wan_bytes: int
@@ -58,10 +60,10 @@ def choose_pipeline(config: PolicyConfig, prompt_tokens: int, max_tokens: int, m
                  + max(missing / prefill_rate, wan_bytes / link))
     budget = config.budget_s
     if config.skip_wan_max_tokens and max_tokens <= config.skip_wan_max_tokens and predicted > budget:
-        return PipelineDecision("p-rld", "short output: RLD finishes before MD could start", main_hit_tokens,
+        return PipelineDecision(Pipeline.P_RLD, "short output: RLD finishes before MD could start", main_hit_tokens,
                                 0, predicted, budget)
     if predicted <= budget:
-        return PipelineDecision("p-md", "MD can start within the TTFT budget", main_hit_tokens, wan_bytes,
+        return PipelineDecision(Pipeline.P_MD, "MD can start within the TTFT budget", main_hit_tokens, wan_bytes,
                                 predicted, budget)
-    return PipelineDecision("p-rld-md", "MD would start too late: RLD covers the wait", main_hit_tokens,
+    return PipelineDecision(Pipeline.P_RLD_MD, "MD would start too late: RLD covers the wait", main_hit_tokens,
                             wan_bytes, predicted, budget)

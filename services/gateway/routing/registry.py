@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from shared.errors import PeerGone
 from shared.messages import Heartbeat
+from shared.names import Role
 
 
 @dataclass
@@ -28,9 +29,11 @@ class InstanceRegistry:
     """Live instances by role. An instance is dropped when its heartbeats stop or its ping finds
     nobody (services/gateway/routing/liveness.py), and skipped for a while when a call to it failed."""
 
-    def __init__(self, stale_after_s: float, suspect_for_s: float = 5.0) -> None:
+    def __init__(self, stale_after_s: float, suspect_for_s: float = 5.0,
+                 on_gone: Callable[[str], None] | None = None) -> None:
         self.stale_after_s = stale_after_s
         self.suspect_for_s = suspect_for_s
+        self._on_gone = on_gone  # told the id of an instance found dead (its caches died with it)
         self._instances: dict[str, Instance] = {}
         self._suspect_until: dict[str, float] = {}
 
@@ -47,13 +50,15 @@ class InstanceRegistry:
         instance = self._instances.get(instance_id)
         if instance is not None and instance.gone_at is None:
             instance.gone_at = time.time()
+            if self._on_gone is not None:
+                self._on_gone(instance_id)
 
     def mark_answered(self, instance_id: str) -> None:
         instance = self._instances.get(instance_id)
         if instance is not None:
             instance.answered_at = time.monotonic()
 
-    def answering(self, role: str, within_s: float) -> list[Instance]:
+    def answering(self, role: Role, within_s: float) -> list[Instance]:
         """Live instances of `role` whose ping was answered within the last `within_s`."""
         cutoff = time.monotonic() - within_s
         return [i for i in self.alive(role) if i.answered_at is not None and i.answered_at >= cutoff]
@@ -72,7 +77,7 @@ class InstanceRegistry:
     def suspect(self, instance_id: str) -> None:
         self._suspect_until[instance_id] = time.monotonic() + self.suspect_for_s
 
-    def alive(self, role: str) -> list[Instance]:
+    def alive(self, role: Role) -> list[Instance]:
         now = time.monotonic()
         cutoff = now - self.stale_after_s
         return [i for i in self._instances.values() if i.heartbeat.role == role and i.last_seen >= cutoff
@@ -84,10 +89,7 @@ class InstanceRegistry:
         return (instance is not None and instance.gone_at is None
                 and instance.last_seen >= time.monotonic() - self.stale_after_s)
 
-    def get(self, instance_id: str) -> Instance | None:
-        return self._instances.get(instance_id)
-
-    def pick(self, role: str, score: Callable[[Instance], float] | None = None,
+    def pick(self, role: Role, score: Callable[[Instance], float] | None = None,
              avoid: Collection[str] = ()) -> Instance:
         """The live instance of `role` with the best score (default: the least loaded), not in `avoid`."""
         candidates = [i for i in self.alive(role) if i.heartbeat.instance_id not in avoid]

@@ -10,7 +10,8 @@ With the `recover` policy:
   client already has appended to the prompt; the new decoder continues from there.
 - P lost before any token reached the client and before its KV was all sent: the request is
   dispatched again on another P (a migration with nothing streamed yet).
-- P lost once its KV is out, or RLD lost after the cut: nothing to do, they were finished.
+- P lost once its KV is out, RLD lost after the cut, or MD lost once RLD finishes alone: nothing
+  to do, they were finished (or let go).
 Migrations are limited per request (--max-migrations). Everything else, and everything under
 the `fail` policy, ends the request with a terminal error.
 """
@@ -18,6 +19,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+from services.gateway.run.attempt import AttemptPhase
+from shared.names import FailurePolicy, Pipeline, Role
 
 
 class Action(enum.Enum):
@@ -32,43 +36,46 @@ class Action(enum.Enum):
 class RunState:
     """The current attempt of a request, as far as recovery cares."""
 
-    pipeline: str  # "p-md", "p-rld-md" or "p-rld"
-    cut_done: bool  # MD has taken over (its handoff stats or its first token arrived)
-    lost: frozenset[str]  # tiers of this attempt already lost (and recovered from)
+    pipeline: Pipeline
+    phase: AttemptPhase  # services/gateway/run/attempt.py: CUT once MD took over, RELAY_ALONE once MD was let go
+    lost: frozenset[Role]  # roles of this attempt already lost (and recovered from)
     streamed: int  # tokens this attempt's decoders have sent the client
     prefill_done: bool  # P reported every KV path sent
     migrations_left: int
-    policy: str  # "recover" | "fail"
+    policy: FailurePolicy
 
 
-def on_tier_lost(state: RunState, tier: str) -> Action:
-    """`tier` is "main", "relay" or "prefill"."""
+def on_tier_lost(state: RunState, tier: Role) -> Action:
     action = _recovery(state, tier)
     if action is Action.IGNORE:
         return action
-    if state.policy != "recover" or (action is Action.MIGRATE and state.migrations_left <= 0):
+    if state.policy != FailurePolicy.RECOVER or (action is Action.MIGRATE and state.migrations_left <= 0):
         return Action.FAIL
     return action
 
 
-def _recovery(state: RunState, tier: str) -> Action:
-    relay_streams = state.pipeline == "p-rld-md" and not state.cut_done  # RLD's tokens reach the client
-    if tier == "prefill":
+def _recovery(state: RunState, tier: Role) -> Action:
+    cut = state.phase is AttemptPhase.CUT
+    relay_streams = state.pipeline == Pipeline.P_RLD_MD and not cut  # RLD's tokens reach the client
+    main_gone = Role.MAIN in state.lost or state.phase is AttemptPhase.RELAY_ALONE
+    if tier == Role.PREFILL:
         if state.prefill_done:
             return Action.IGNORE
         if state.streamed == 0:
             return Action.MIGRATE
-        if relay_streams and "main" not in state.lost:
+        if relay_streams and not main_gone:
             return Action.FINISH_ON_RELAY  # RLD has its KV (it streams); MD's may never arrive
         return Action.IGNORE  # the streaming decoder holds its KV; a decoder missing some reports it
-    if tier == "relay":
-        if state.pipeline == "p-rld-md" and state.cut_done:
+    if tier == Role.RELAY:
+        if state.pipeline == Pipeline.P_RLD_MD and cut:
             return Action.IGNORE
-        if relay_streams and "main" not in state.lost:
+        if relay_streams and not main_gone:
             return Action.MAIN_TAKES_OVER
         return Action.MIGRATE
-    if tier == "main":
-        if relay_streams and "relay" not in state.lost:
+    if tier == Role.MAIN:
+        if state.phase is AttemptPhase.RELAY_ALONE:
+            return Action.IGNORE  # MD was let go already: RLD finishes
+        if relay_streams and Role.RELAY not in state.lost:
             return Action.FINISH_ON_RELAY
         return Action.MIGRATE
     return Action.FAIL

@@ -1,36 +1,60 @@
 """One request in flight at the gateway: its attempts, the merge of their tokens, and recovery.
 
-A request is served by one attempt at a time: the instances one dispatch chose. RLD's and MD's
+A request is served by one attempt at a time (services/gateway/run/attempt.py). RLD's and MD's
 TokenChunks are merged by index, each exactly once, into what the client has. When a tier is
 lost, services/gateway/run/recovery.py says what to do; a migration stops the attempt and dispatches
 a new one (through the Dispatcher) with the streamed tokens appended to the prompt, so the
 client's stream simply goes on. Every attempt ends with an Abort broadcast, so no tier keeps
 state for an attempt the gateway has let go.
+
+The run decides the cut (MD took over from RLD) once: `cut_index`, the output index of MD's first
+token, which the HTTP layer and the request telemetry read. The run's own lifecycle (RunPhase):
+
+1. RUNNING: tokens are merged as they come; a lost tier is recovered from.
+2. FINISHED: a finish reason was merged; or FAILED: a loss it cannot recover from, or a deadline.
+3. CLOSED: its attempt is let go. A client that goes away closes a RUNNING run.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from services.gateway.run.attempt import Attempt, AttemptPhase, GenerationRequest
+from services.gateway.run.recovery import Action, RunState, on_tier_lost
 from shared import bus, messages, subjects, tracing
 from shared.config import GatewayConfig
-from shared.errors import DeadlineExceeded, PddError, PeerGone, ProtocolError, RequestAborted
-from shared.messages import (Handoff, HandoffStats, KVReceived, MainLost, PrefillDone, RequestFailed,
-                             TokenChunk)
-from shared.sampling import SamplingParams
-from services.gateway.run.recovery import Action, RunState, on_tier_lost
+from shared.errors import (
+    DeadlineExceeded,
+    PddError,
+    PeerGone,
+    ProtocolError,
+    RequestAborted,
+)
+from shared.messages import (
+    Handoff,
+    HandoffStats,
+    KVReceived,
+    MainLost,
+    PrefillDone,
+    RequestFailed,
+    TokenChunk,
+)
+from shared.names import HandoffMode, Pipeline, Role
 
 if TYPE_CHECKING:
     from services.gateway.routing.policy import PipelineDecision
+
+__all__ = ["Attempt", "GenerationRequest", "RequestRun", "RunPhase", "TokenEvent", "new_request_id"]
 
 log = logging.getLogger(__name__)
 
@@ -43,18 +67,6 @@ def new_request_id() -> str:
 
 
 @dataclass(frozen=True)
-class GenerationRequest:
-    request_id: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    pipeline: str | None
-    handoff_at: int | None
-    md_kv_delay_s: float
-    handoff_mode: str | None = None
-    failure_policy: str | None = None  # "fail" | "recover" | None: the gateway's --failure-policy
-
-
-@dataclass(frozen=True)
 class TokenEvent:
     index: int
     token_id: int
@@ -62,25 +74,19 @@ class TokenEvent:
     finish_reason: str | None
 
 
-@dataclass
-class Attempt:
-    """One dispatch of a request: the first, or a migration after a tier was lost."""
+class RunPhase(enum.Enum):
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CLOSED = "closed"
 
-    request: GenerationRequest  # what the tiers were sent; a migration's prompt ends with the streamed tokens
-    output_offset: int  # the request's output index of this attempt's first token
-    pipeline: str
-    decision: PipelineDecision | None
-    instances: dict[str, str]  # role -> instance id
-    cached_tokens: int = 0  # P's prefix-cache hit: prompt tokens not computed again
-    main_cached_tokens: int = 0  # MD's DRC hit: prompt tokens whose KV did not cross the WAN
-    cut_done: bool = False  # MD has taken over from RLD
-    prefill_done: bool = False
-    lost: set[str] = field(default_factory=set)  # roles lost and recovered from
-    subscription: object | None = None  # the NATS subscription to this attempt's events
 
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
+_RUN_MOVES = {
+    RunPhase.RUNNING: {RunPhase.FINISHED, RunPhase.FAILED, RunPhase.CLOSED},
+    RunPhase.FINISHED: {RunPhase.CLOSED},
+    RunPhase.FAILED: {RunPhase.CLOSED},
+    RunPhase.CLOSED: set(),
+}
 
 
 # Dispatches an attempt: (request, output offset, instances to avoid, event callback) -> Attempt
@@ -106,11 +112,14 @@ class RequestRun:
         self._is_alive = is_alive
         self._on_prefill = on_prefill
         self._on_recovery = on_recovery
+        self.phase = RunPhase.RUNNING
         self.first: Attempt | None = None
         self.attempt: Attempt | None = None
         self.migrations: list[dict] = []  # one entry per migration, for the response's summary
         self.lost_instances: set[str] = set()  # never dispatched to again by this request
         self.token_ids: list[int] = []  # what the client has, in order
+        self.finish_reason: str | None = None  # the merged one (the HTTP layer may stop earlier, at a stop string)
+        self.cut_index: int | None = None  # output index of MD's first token after it took over from RLD
         self.recovery: str | None = None
         self.handoff: HandoffStats | None = None
         self.prefill: PrefillDone | None = None
@@ -118,12 +127,15 @@ class RequestRun:
         self.first_token_at: float | None = None
         self.started_at = time.monotonic()
         self.trace_id = tracing.current_trace_id()  # the response names it, to find the trace on /dashboard
-        self.finished = False
-        self._closed = False
         self._events: asyncio.Queue = asyncio.Queue()
         self._pending: dict[int, TokenEvent] = {}  # arrived ahead of a gap, by absolute index
 
     # --- what the rest of the gateway reads ---------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        """A finish reason was merged (and stays true once the run is closed)."""
+        return self.finish_reason is not None
 
     @property
     def pipeline(self) -> str:
@@ -137,7 +149,7 @@ class RequestRun:
     @property
     def instances(self) -> dict[str, str]:
         """The instances serving the request now."""
-        return dict(self.attempt.instances) if self.attempt else {}
+        return {str(role): iid for role, iid in self.attempt.instances.items()} if self.attempt else {}
 
     @property
     def cached_tokens(self) -> int:
@@ -148,6 +160,17 @@ class RequestRun:
         return self.first.main_cached_tokens if self.first else 0
 
     # --- lifecycle ------------------------------------------------------------------------------
+
+    def _move(self, phase: RunPhase) -> None:
+        if phase not in _RUN_MOVES[self.phase]:
+            raise RuntimeError(f"{self.request_id}: illegal run transition {self.phase.value} -> {phase.value}")
+        self.phase = phase
+
+    def _failed(self, exc: PddError) -> PddError:
+        """The run ends with `exc` (the caller raises it)."""
+        if self.phase is RunPhase.RUNNING:
+            self._move(RunPhase.FAILED)
+        return exc
 
     async def start(self) -> None:
         self.attempt = self.first = await self._start_attempt(self.request, 0, set(), self._on_event)
@@ -162,13 +185,13 @@ class RequestRun:
         """Tokens in index order, each once; raises the failure of any tier it cannot recover from."""
         deadline = self.started_at + self.config.request_timeout_s
         last_event_at = next_check = time.monotonic()
-        while not self.finished:
+        while self.phase is RunPhase.RUNNING:
             now = time.monotonic()
             if now >= deadline:
-                raise DeadlineExceeded(f"{self.request_id}: the request deadline "
-                                       f"({self.config.request_timeout_s:g}s) passed")
+                raise self._failed(DeadlineExceeded(f"{self.request_id}: the request deadline "
+                                                    f"({self.config.request_timeout_s:g}s) passed"))
             if now - last_event_at >= self.config.token_timeout_s:
-                raise DeadlineExceeded(f"{self.request_id}: no token for {now - last_event_at:.1f}s")
+                raise self._failed(DeadlineExceeded(f"{self.request_id}: no token for {now - last_event_at:.1f}s"))
             if now >= next_check:  # also while tokens flow: RLD streaming says nothing of MD or P
                 next_check = now + WATCHDOG_S
                 await self._check_instances()
@@ -177,43 +200,70 @@ class RequestRun:
                     event = await self._events.get()
             except TimeoutError:
                 continue
-            if getattr(event, "request_id", None) != self.attempt.request_id:
-                continue  # from an attempt already let go
+            if not self._is_current(event):
+                continue
             last_event_at = time.monotonic()
-            if isinstance(event, TokenChunk):
-                for token_event in self._merge(event):
-                    yield token_event
-            elif isinstance(event, KVReceived):
-                self.kv_received[event.tier] = event
-            elif isinstance(event, HandoffStats):
-                self.handoff = event
-                self.attempt.cut_done = True
-            elif isinstance(event, PrefillDone):
-                self.attempt.prefill_done = True
-                self.prefill = event
-                if self._on_prefill is not None:
-                    self._on_prefill(event)
-            elif isinstance(event, RequestFailed):
-                await self._on_tier_lost(event.path or event.tier, f"{event.tier}: {event.message}", event.code)
+            for token_event in await self.handle(event):
+                yield token_event
+
+    def _is_current(self, event: object) -> bool:
+        """From the attempt in flight (not one already let go), while the run is running."""
+        attempt = self.attempt
+        return (self.phase is RunPhase.RUNNING and attempt is not None and attempt.phase is not AttemptPhase.STOPPED
+                and getattr(event, "request_id", None) == attempt.request_id)
+
+    async def handle(self, event: object) -> list[TokenEvent]:
+        """Apply one decoded event; returns the tokens it makes ready for the client, in order.
+
+        Events of an attempt already let go are dropped. Raises the failure of a tier the run
+        cannot recover from."""
+        if not self._is_current(event):
+            return []
+        attempt = self.attempt
+        if isinstance(event, TokenChunk):
+            return self._merge(event)
+        if isinstance(event, KVReceived):
+            self.kv_received[event.tier] = event
+        elif isinstance(event, HandoffStats):
+            self.handoff = self.handoff or event
+            self._cut(attempt, attempt.output_offset + event.eager_tokens)
+        elif isinstance(event, PrefillDone):
+            attempt.prefill = self.prefill = event
+            if self._on_prefill is not None:
+                self._on_prefill(event)
+        elif isinstance(event, RequestFailed):
+            await self._on_tier_lost(event.path or event.tier, f"{event.tier}: {event.message}", event.code)
+        return []
+
+    def _cut(self, attempt: Attempt, index: int) -> None:
+        """MD took over from RLD at output `index`: the one place the cut is decided."""
+        if attempt.pipeline != Pipeline.P_RLD_MD or attempt.phase is AttemptPhase.CUT:
+            return
+        attempt.move(AttemptPhase.CUT)
+        if self.cut_index is None:
+            self.cut_index = index
 
     def _merge(self, chunk: TokenChunk) -> list[TokenEvent]:
         """The chunk's tokens that extend what the client has, in order; later ones wait for the gap."""
-        if chunk.tier == "main":
-            self.attempt.cut_done = True
-        start = self.attempt.output_offset + chunk.start
+        attempt = self.attempt
+        start = attempt.output_offset + chunk.start
+        if chunk.tier == Role.MAIN:
+            self._cut(attempt, start)
         for offset, token in enumerate(chunk.token_ids):
             index = start + offset
             last = offset == len(chunk.token_ids) - 1
             if index >= len(self.token_ids) and index not in self._pending:
                 self._pending[index] = TokenEvent(index, token, chunk.tier, chunk.finish_reason if last else None)
         ready = []
-        while not self.finished and len(self.token_ids) in self._pending:
+        while self.phase is RunPhase.RUNNING and len(self.token_ids) in self._pending:
             if self.first_token_at is None:
                 self.first_token_at = time.monotonic()
             token_event = self._pending.pop(len(self.token_ids))
             self.token_ids.append(token_event.token_id)
-            self.finished = token_event.finish_reason is not None
             ready.append(token_event)
+            if token_event.finish_reason is not None:
+                self.finish_reason = token_event.finish_reason
+                self._move(RunPhase.FINISHED)
         return ready
 
     async def _check_instances(self) -> None:
@@ -229,38 +279,44 @@ class RequestRun:
 
     async def _on_tier_lost(self, tier: str, message: str, code: str) -> None:
         attempt = self.attempt
-        if tier in attempt.lost:
+        try:
+            role = Role(tier)
+        except ValueError:
+            raise self._failed(_FAILED_BY_CODE.get(code, PddError)(message)) from None
+        if role in attempt.lost:
             return
-        attempt.lost.add(tier)
-        state = RunState(attempt.pipeline, attempt.cut_done, frozenset(attempt.lost - {tier}),
-                         len(self.token_ids) - attempt.output_offset,
-                         attempt.prefill_done, self.config.max_migrations - len(self.migrations),
-                         self.failure_policy)
-        action = on_tier_lost(state, tier)
-        log.warning("%s: %s lost (%s): %s", self.request_id, tier, message, action.value)
+        attempt.lost.add(role)
+        state = RunState(attempt.pipeline, attempt.phase, frozenset(attempt.lost - {role}),
+                         len(self.token_ids) - attempt.output_offset, attempt.prefill is not None,
+                         self.config.max_migrations - len(self.migrations), self.failure_policy)
+        action = on_tier_lost(state, role)
+        log.warning("%s: %s lost (%s): %s", self.request_id, role, message, action.value)
         if action is Action.IGNORE:
             return
         if action is Action.FAIL:
-            raise _FAILED_BY_CODE.get(code, PddError)(message)
+            raise self._failed(_FAILED_BY_CODE.get(code, PddError)(message))
         self.recovery = action.value
         if self._on_recovery is not None:
             self._on_recovery(action.value)
         if action is Action.FINISH_ON_RELAY:
-            await bus.publish(self.nc, subjects.main_lost(attempt.instances["relay"]),
+            await bus.publish(self.nc, subjects.main_lost(attempt.instances[Role.RELAY]),
                               MainLost(attempt.request_id, message))
-        elif action is Action.MAIN_TAKES_OVER:  # from what the client already has of this attempt
-            await bus.publish(self.nc, subjects.handoff(attempt.instances["main"]), Handoff(
+            attempt.move(AttemptPhase.RELAY_ALONE)
+        elif action is Action.MAIN_TAKES_OVER:
+            # the gateway hands off in RLD's place: every token the client has of this attempt, at once
+            await bus.publish(self.nc, subjects.handoff(attempt.instances[Role.MAIN]), Handoff(
                 attempt.request_id, self.token_ids[attempt.output_offset:], finished=False, start=0, final=True,
-                mode="recovery"))
+                mode=HandoffMode.ONE_SHOT))
+            self._cut(attempt, len(self.token_ids))
         else:
             if code != RequestAborted.code:  # "aborted": the instance let the request go, it is not at fault
-                self.lost_instances.add(attempt.instances[tier])
-            await self._migrate(tier, message)
+                self.lost_instances.add(attempt.instances[role])
+            await self._migrate(role, message)
 
-    async def _migrate(self, tier: str, reason: str) -> None:
+    async def _migrate(self, tier: Role, reason: str) -> None:
         """Let the attempt go and dispatch the request again, continuing after the tokens streamed."""
         streamed = list(self.token_ids)
-        await self._stop_attempt(self.attempt, "migrated")
+        await self._let_go(self.attempt, "migrated")
         self._pending.clear()
         req = self.request
         moved = dataclasses.replace(
@@ -270,18 +326,24 @@ class RequestRun:
         try:
             self.attempt = await self._start_attempt(moved, len(streamed), set(self.lost_instances), self._on_event)
         except PddError as exc:
-            raise PeerGone(f"{reason}; could not move the request to another instance: {exc}") from exc
-        self.migrations.append({"after_tokens": len(streamed), "lost": tier, "pipeline": self.attempt.pipeline,
-                                "instances": dict(self.attempt.instances), "attempt_id": moved.request_id})
-        log.warning("%s: migrated after %d tokens to %s", self.request_id, len(streamed), self.attempt.instances)
+            raise self._failed(PeerGone(f"{reason}; could not move the request to another instance: {exc}")) from exc
+        self.migrations.append({"after_tokens": len(streamed), "lost": str(tier), "pipeline": self.attempt.pipeline,
+                                "instances": self.instances, "attempt_id": moved.request_id})
+        log.warning("%s: migrated after %d tokens to %s", self.request_id, len(streamed), self.instances)
+
+    async def _let_go(self, attempt: Attempt, reason: str) -> None:
+        if attempt.phase is AttemptPhase.STOPPED:
+            return
+        attempt.move(AttemptPhase.STOPPED)
+        await self._stop_attempt(attempt, reason)
 
     async def close(self, reason: str) -> None:
         """Idempotent: end the current attempt."""
-        if self._closed:
+        if self.phase is RunPhase.CLOSED:
             return
-        self._closed = True
+        self._move(RunPhase.CLOSED)
         if self.attempt is not None:
-            await self._stop_attempt(self.attempt, "finished" if self.finished else reason)
+            await self._let_go(self.attempt, "finished" if self.finished else reason)
 
     def summary(self) -> dict:
         """What the client may want to know of how the request was served (the response's `pdd` field)."""
@@ -302,7 +364,7 @@ class RequestRun:
 
     def _policy_summary(self) -> dict:
         decision = self.decision
-        main_kv = self.kv_received.get("main")
+        main_kv = self.kv_received.get(Role.MAIN)
         return {"reason": decision.reason, "main_hit_predicted": decision.main_hit_tokens,
                 "wan_bytes_predicted": decision.wan_bytes,
                 "main_ready_predicted_s": round(decision.predicted_main_ready_s, 6),

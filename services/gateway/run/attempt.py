@@ -1,0 +1,84 @@
+"""One dispatch of a request (an attempt) and its lifecycle; plain state, no NATS.
+
+A request is served by one attempt at a time: the first, or a migration after a tier was lost.
+An attempt moves through these phases (`Attempt.move` refuses any other move):
+
+1. DISPATCHED: the decoders accepted it and P is prefilling; the first decoder streams as soon
+   as its KV lands (RLD in P-RLD-MD and P-RLD, MD in P-MD).
+2. P-RLD-MD only, one of:
+   CUT: MD took over from RLD (its HandoffStats, its first token, or the gateway's own final
+   handoff after RLD was lost); RLD's loss changes nothing from here.
+   RELAY_ALONE: MD was let go before the cut (lost, or P lost before MD's KV was out); RLD
+   finishes alone, as P-RLD. RLD may still cut if it handed off before it heard (-> CUT).
+3. STOPPED: the gateway let it go (the request ended, or it migrated); late events are dropped.
+
+P's end is not a phase: RLD streams, and MD may take over, before P's PrefillDone arrives (and
+after RLD is lost MD takes over while P still sends its KV), so the report is kept as it comes.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from shared.messages import PrefillDone
+from shared.names import FailurePolicy, HandoffMode, Pipeline, Role
+from shared.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from nats.aio.subscription import Subscription
+
+    from services.gateway.routing.policy import PipelineDecision
+
+
+class AttemptPhase(enum.Enum):
+    DISPATCHED = "dispatched"
+    CUT = "cut"
+    RELAY_ALONE = "relay_alone"
+    STOPPED = "stopped"
+
+
+_MOVES = {
+    AttemptPhase.DISPATCHED: {AttemptPhase.CUT, AttemptPhase.RELAY_ALONE, AttemptPhase.STOPPED},
+    AttemptPhase.RELAY_ALONE: {AttemptPhase.CUT, AttemptPhase.STOPPED},
+    AttemptPhase.CUT: {AttemptPhase.STOPPED},
+    AttemptPhase.STOPPED: set(),
+}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    pipeline: Pipeline | None
+    handoff_at: int | None
+    md_kv_delay_s: float
+    handoff_mode: HandoffMode | None = None
+    failure_policy: FailurePolicy | None = None  # None: the gateway's --failure-policy
+
+
+@dataclass
+class Attempt:
+    """One dispatch of a request: the instances it runs on and how far it got."""
+
+    request: GenerationRequest  # what the tiers were sent; a migration's prompt ends with the streamed tokens
+    output_offset: int  # the request's output index of this attempt's first token
+    pipeline: Pipeline
+    decision: PipelineDecision | None
+    instances: dict[Role, str]  # role -> instance id
+    cached_tokens: int = 0  # P's prefix-cache hit: prompt tokens not computed again
+    main_cached_tokens: int = 0  # MD's DRC hit: prompt tokens whose KV did not cross the WAN
+    phase: AttemptPhase = AttemptPhase.DISPATCHED
+    prefill: PrefillDone | None = None  # P's report that every KV path is sent
+    lost: set[Role] = field(default_factory=set)  # roles lost (and recovered from, or ignored)
+    subscription: Subscription | None = None  # the NATS subscription to this attempt's events
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def move(self, phase: AttemptPhase) -> None:
+        if phase not in _MOVES[self.phase]:
+            raise RuntimeError(f"{self.request_id}: illegal attempt transition {self.phase.value} -> {phase.value}")
+        self.phase = phase

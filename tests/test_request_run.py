@@ -1,0 +1,304 @@
+"""The gateway's RequestRun as plain logic: the merge of RLD's and MD's tokens, the cut, recovery and
+migration. Decoded messages are fed in directly; dispatch is a fake that records what it was asked."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from services.gateway.run.attempt import Attempt, AttemptPhase, GenerationRequest
+from services.gateway.run.request_run import RequestRun, RunPhase
+from shared import messages, subjects
+from shared.config import CommonConfig, GatewayConfig
+from shared.errors import PeerGone, RequestAborted
+from shared.messages import (
+    Handoff,
+    HandoffStats,
+    MainLost,
+    PrefillDone,
+    RequestFailed,
+    TokenChunk,
+)
+from shared.names import HandoffMode, Pipeline, Role
+from shared.sampling import SamplingParams
+
+CONFIG = GatewayConfig(
+    common=CommonConfig("nats://127.0.0.1:4222", "gateway-test", "INFO", "", 1.0), model="tiny",
+    host="127.0.0.1", port=0, default_pipeline="auto", request_timeout_s=10.0, token_timeout_s=5.0,
+    max_body_bytes=64 * 1024, default_max_tokens=32, max_migrations=2)
+PROMPT = [11, 12, 13, 14]
+
+
+class FakeNats:
+    """What the run publishes (MainLost, the takeover Handoff), decoded."""
+
+    max_payload = 1 << 20
+
+    def __init__(self) -> None:
+        self.published: list[tuple[str, object]] = []
+
+    async def publish(self, subject: str, payload: bytes = b"", reply: str = "", headers=None) -> None:
+        self.published.append((subject, messages.decode(payload)))
+
+
+class FakeDispatch:
+    """start_attempt and stop_attempt: attempt n runs on p-n, rld-n and md-n, on `pipelines[n]`."""
+
+    def __init__(self, *pipelines: Pipeline, unavailable_after: int | None = None) -> None:
+        self.pipelines = pipelines or (Pipeline.P_RLD_MD,)
+        self.unavailable_after = unavailable_after
+        self.started: list[tuple[GenerationRequest, int, set[str]]] = []
+        self.stopped: list[tuple[str, str]] = []
+
+    async def start(self, req, output_offset, avoid, on_event) -> Attempt:
+        n = len(self.started)
+        if self.unavailable_after is not None and n >= self.unavailable_after:
+            raise PeerGone("no live main instance")
+        self.started.append((req, output_offset, set(avoid)))
+        pipeline = self.pipelines[min(n, len(self.pipelines) - 1)]
+        instances = {Role.PREFILL: f"p-{n}", Role.MAIN: f"md-{n}"}
+        if pipeline.uses_relay:
+            instances[Role.RELAY] = f"rld-{n}"
+        return Attempt(req, output_offset, pipeline, None, instances)
+
+    async def stop(self, attempt: Attempt, reason: str) -> None:
+        self.stopped.append((attempt.request_id, reason))
+
+
+async def start_run(dispatch: FakeDispatch, max_tokens: int = 20, config: GatewayConfig = CONFIG,
+                    is_alive=None) -> tuple[RequestRun, FakeNats]:
+    nc = FakeNats()
+    req = GenerationRequest("req-test", list(PROMPT), SamplingParams(max_tokens=max_tokens), None, None, 0.0)
+    run = RequestRun(nc, req, config, dispatch.start, dispatch.stop, is_alive=is_alive)
+    await run.start()
+    return run, nc
+
+
+def chunk(run: RequestRun, start: int, ids: list[int], tier: Role, finish: str | None = None) -> TokenChunk:
+    return TokenChunk(run.attempt.request_id, start, ids, tier, finish)
+
+
+def failed(run: RequestRun, tier: Role, code: str = PeerGone.code) -> RequestFailed:
+    return RequestFailed(run.attempt.request_id, tier, code, f"{tier} went away")
+
+
+async def feed(run: RequestRun, *events: object) -> list[tuple[int, int, str]]:
+    out = []
+    for event in events:
+        out += [(t.index, t.token_id, t.tier) for t in await run.handle(event)]
+    return out
+
+
+# --- the merge -------------------------------------------------------------------------------
+
+
+async def test_tokens_ahead_of_a_gap_wait_for_it_and_come_out_in_order():
+    run, _ = await start_run(FakeDispatch())
+    assert await feed(run, chunk(run, 2, [102, 103], Role.RELAY)) == []
+    assert await feed(run, chunk(run, 0, [100], Role.RELAY)) == [(0, 100, "relay")]
+    assert await feed(run, chunk(run, 1, [101], Role.RELAY)) == [(1, 101, "relay"), (2, 102, "relay"),
+                                                                  (3, 103, "relay")]
+    assert run.token_ids == [100, 101, 102, 103] and run.first_token_at is not None
+
+
+async def test_an_index_sent_by_both_relay_and_main_reaches_the_client_once():
+    run, _ = await start_run(FakeDispatch())
+    await feed(run, chunk(run, 0, [100, 101, 102], Role.RELAY))
+    merged = await feed(run, chunk(run, 2, [102, 103], Role.MAIN), chunk(run, 2, [102, 103, 104], Role.RELAY),
+                        chunk(run, 3, [103], Role.MAIN))
+    assert merged == [(3, 103, "main"), (4, 104, "relay")]
+    assert run.token_ids == [100, 101, 102, 103, 104]
+
+
+async def test_the_cut_is_decided_once_from_the_handoff_stats():
+    run, _ = await start_run(FakeDispatch())
+    await feed(run, chunk(run, 0, [100, 101, 102], Role.RELAY))
+    assert run.cut_index is None and run.attempt.phase is AttemptPhase.DISPATCHED
+    stats = HandoffStats(run.attempt.request_id, 3, 0.2, 0.01, 0.003)
+    await feed(run, stats, chunk(run, 3, [103], Role.MAIN), HandoffStats(run.attempt.request_id, 9, 0, 0, 0))
+    assert run.cut_index == 3 and run.handoff == stats and run.attempt.phase is AttemptPhase.CUT
+
+
+async def test_mains_first_token_marks_the_cut_when_its_stats_are_late():
+    run, _ = await start_run(FakeDispatch())
+    await feed(run, chunk(run, 0, [100, 101], Role.RELAY), chunk(run, 2, [102], Role.MAIN))
+    assert run.cut_index == 2 and run.attempt.phase is AttemptPhase.CUT
+
+
+async def test_p_md_has_no_cut():
+    run, _ = await start_run(FakeDispatch(Pipeline.P_MD))
+    await feed(run, chunk(run, 0, [100, 101], Role.MAIN))
+    assert run.cut_index is None and run.attempt.phase is AttemptPhase.DISPATCHED
+
+
+async def test_a_finish_reason_finishes_the_run_and_later_tokens_are_dropped():
+    dispatch = FakeDispatch()
+    run, _ = await start_run(dispatch)
+    merged = await feed(run, chunk(run, 1, [101, 102], Role.MAIN, "length"), chunk(run, 0, [100], Role.RELAY))
+    assert [i for i, _, _ in merged] == [0, 1, 2] and run.finish_reason == "length"
+    assert run.phase is RunPhase.FINISHED and run.finished
+    assert await feed(run, chunk(run, 3, [103], Role.MAIN)) == []
+    await run.close("error")
+    await run.close("error")
+    assert run.phase is RunPhase.CLOSED and run.finished, "closing keeps what the run became"
+    assert dispatch.stopped == [("req-test", "finished")]
+
+
+async def test_a_closed_run_is_let_go_with_the_callers_reason():
+    dispatch = FakeDispatch()
+    run, _ = await start_run(dispatch)
+    await run.close("client_disconnected")
+    assert dispatch.stopped == [("req-test", "client_disconnected")]
+    assert run.attempt.phase is AttemptPhase.STOPPED and not run.finished
+
+
+async def test_prefill_done_is_recorded_on_the_attempt():
+    run, _ = await start_run(FakeDispatch())
+    done = PrefillDone(run.attempt.request_id, "p-0", 4, 0.1, {"relay": 10}, {"relay": 0.01})
+    await feed(run, done)
+    assert run.attempt.prefill == done == run.prefill
+    # P lost once its KV is out: nothing to do
+    await feed(run, chunk(run, 0, [100], Role.RELAY), failed(run, Role.PREFILL))
+    assert run.recovery is None and run.phase is RunPhase.RUNNING
+
+
+# --- recovery without migration ------------------------------------------------------------
+
+
+async def test_relay_lost_before_the_cut_main_takes_over_with_every_streamed_token_at_once():
+    run, nc = await start_run(FakeDispatch())
+    await feed(run, chunk(run, 0, [100, 101, 102, 103], Role.RELAY), failed(run, Role.RELAY))
+    assert run.recovery == "main_takes_over" and run.cut_index == 4 and run.attempt.phase is AttemptPhase.CUT
+    subject, handoff = nc.published[-1]
+    assert subject == subjects.handoff("md-0")
+    assert handoff == Handoff("req-test", [100, 101, 102, 103], finished=False, start=0, final=True,
+                              mode=HandoffMode.ONE_SHOT)
+    assert await feed(run, chunk(run, 4, [104], Role.MAIN)) == [(4, 104, "main")]
+    assert run.cut_index == 4, "decided once"
+
+
+async def test_main_lost_before_the_cut_leaves_relay_alone_and_is_counted_once():
+    recoveries = []
+    dispatch = FakeDispatch()
+    nc = FakeNats()
+    req = GenerationRequest("req-test", list(PROMPT), SamplingParams(max_tokens=20), None, None, 0.0)
+    run = RequestRun(nc, req, CONFIG, dispatch.start, dispatch.stop, on_recovery=recoveries.append)
+    await run.start()
+    await feed(run, chunk(run, 0, [100], Role.RELAY), failed(run, Role.PREFILL))  # MD's KV may never come
+    assert nc.published == [(subjects.main_lost("rld-0"), MainLost("req-test", "prefill: prefill went away"))]
+    assert run.attempt.phase is AttemptPhase.RELAY_ALONE
+    await feed(run, failed(run, Role.MAIN))  # MD, let go, reports its KV never came
+    assert recoveries == ["finish_on_relay"] and len(nc.published) == 1 and not dispatch.stopped
+
+
+# --- migration -------------------------------------------------------------------------------
+
+
+async def test_a_migration_continues_after_the_streamed_tokens_on_other_instances():
+    dispatch = FakeDispatch(Pipeline.P_MD, Pipeline.P_MD)
+    run, _ = await start_run(dispatch, max_tokens=20)
+    first_id = run.attempt.request_id
+    await feed(run, chunk(run, 0, [100, 101, 102], Role.MAIN), failed(run, Role.MAIN))
+    assert dispatch.stopped == [(first_id, "migrated")]
+    moved, offset, avoid = dispatch.started[1]
+    assert moved.prompt_ids == [*PROMPT, 100, 101, 102] and moved.sampling.max_tokens == 17
+    assert offset == 3 and avoid == {"md-0"} and moved.request_id != first_id
+    assert run.recovery == "migrate" and run.migrations[0]["after_tokens"] == 3
+    assert run.migrations[0]["lost"] == "main" and run.instances["main"] == "md-1"
+    # the new attempt's indices are its own: its token 0 is the request's token 3
+    assert await feed(run, chunk(run, 0, [103], Role.MAIN)) == [(3, 103, "main")]
+
+
+async def test_events_of_an_attempt_let_go_are_dropped():
+    dispatch = FakeDispatch(Pipeline.P_MD, Pipeline.P_MD)
+    run, _ = await start_run(dispatch)
+    old = run.attempt
+    await feed(run, chunk(run, 0, [100], Role.MAIN), failed(run, Role.MAIN))
+    assert old.phase is AttemptPhase.STOPPED
+    late = [TokenChunk(old.request_id, 1, [999], Role.MAIN), RequestFailed(old.request_id, Role.PREFILL, "x", "y"),
+            HandoffStats(old.request_id, 1, 0, 0, 0)]
+    assert await feed(run, *late) == [] and len(run.migrations) == 1 and run.cut_index is None
+    assert await feed(run, chunk(run, 0, [101], Role.MAIN)) == [(1, 101, "main")]
+
+
+async def test_lost_instances_are_avoided_by_every_later_attempt():
+    dispatch = FakeDispatch(Pipeline.P_MD)
+    run, _ = await start_run(dispatch)
+    await feed(run, failed(run, Role.MAIN))
+    await feed(run, chunk(run, 0, [100], Role.MAIN), failed(run, Role.MAIN))
+    assert [avoid for _, _, avoid in dispatch.started] == [set(), {"md-0"}, {"md-0", "md-1"}]
+    assert [offset for _, offset, _ in dispatch.started] == [0, 0, 1]
+
+
+async def test_an_aborted_code_does_not_blame_the_instance():
+    dispatch = FakeDispatch(Pipeline.P_MD)
+    run, _ = await start_run(dispatch)
+    await feed(run, failed(run, Role.MAIN, RequestAborted.code))
+    assert dispatch.started[1][2] == set() and len(run.migrations) == 1
+
+
+async def test_migrations_stop_at_the_limit():
+    dispatch = FakeDispatch(Pipeline.P_MD)
+    run, _ = await start_run(dispatch, config=dataclasses.replace(CONFIG, max_migrations=1))
+    await feed(run, failed(run, Role.MAIN))
+    with pytest.raises(PeerGone, match="main went away"):
+        await feed(run, failed(run, Role.MAIN))
+    assert run.phase is RunPhase.FAILED and len(dispatch.started) == 2
+
+
+async def test_no_instance_to_move_to_fails_the_run():
+    dispatch = FakeDispatch(Pipeline.P_MD, unavailable_after=1)
+    run, _ = await start_run(dispatch)
+    with pytest.raises(PeerGone, match="could not move the request"):
+        await feed(run, failed(run, Role.MAIN))
+    assert run.phase is RunPhase.FAILED
+
+
+async def test_the_fail_policy_fails_the_run_at_the_first_loss():
+    dispatch = FakeDispatch()
+    run, _ = await start_run(dispatch, config=dataclasses.replace(CONFIG, failure_policy="fail"))
+    with pytest.raises(PeerGone):
+        await feed(run, failed(run, Role.MAIN))
+    assert run.phase is RunPhase.FAILED and len(dispatch.started) == 1
+
+
+# --- the event loop: messages off the wire, the watchdog ---------------------------------------
+
+
+async def test_the_token_stream_reads_the_wire_and_the_watchdog_migrates_off_a_dead_instance():
+    dead: set[str] = set()
+    dispatch = FakeDispatch(Pipeline.P_MD, Pipeline.P_MD)
+    run, _ = await start_run(dispatch, is_alive=lambda instance_id: instance_id not in dead)
+
+    async def wire(event: object) -> None:
+        await run._on_event(SimpleNamespace(data=messages.encode(event)))
+
+    first_id = run.attempt.request_id
+    await wire(chunk(run, 0, [100, 101], Role.MAIN))
+    stream = run.tokens()
+    assert [(await anext(stream)).index for _ in range(2)] == [0, 1]
+    dead.add("md-0")  # its ping found nobody: a watchdog check moves the request, no deadline needed
+    next_token = asyncio.create_task(anext(stream))
+    async with asyncio.timeout(2):
+        while len(dispatch.started) < 2:
+            await asyncio.sleep(0.01)
+    assert dispatch.started[1][1] == 2 and dispatch.started[1][2] == {"md-0"}
+    await wire(TokenChunk(first_id, 2, [999], Role.MAIN))  # the dead attempt's, late: dropped
+    await wire(chunk(run, 0, [102], Role.MAIN, "stop"))
+    async with asyncio.timeout(2):
+        event = await next_token
+    assert (event.index, event.token_id, event.finish_reason) == (2, 102, "stop")
+    with pytest.raises(StopAsyncIteration):
+        await anext(stream)
+
+
+# --- the lifecycle is explicit -----------------------------------------------------------------
+
+
+async def test_illegal_attempt_moves_fail_loudly():
+    run, _ = await start_run(FakeDispatch())
+    await run.close("done")
+    with pytest.raises(RuntimeError, match="stopped -> cut"):
+        run.attempt.move(AttemptPhase.CUT)
