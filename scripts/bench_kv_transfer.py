@@ -93,7 +93,7 @@ async def _transfer_once(receiver: KVReceiver, port: int, sender: KVSender, kv: 
     transfer = OutgoingTransfer(sender, KVTarget("main", "127.0.0.1", port), request_id, QUEUE_CHUNKS, 120.0)
     for start in range(0, tokens, CHUNK_TOKENS):
         await transfer.put(start, kv[:, :, :, start:start + CHUNK_TOKENS])
-    result = await transfer.finish(tokens)
+    result = await transfer.finish()
     await inbox.wait(120.0)
     receiver.release(request_id)
     if result.state is not TransferState.DONE or inbox.done_at is None:

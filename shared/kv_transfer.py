@@ -3,9 +3,11 @@
 Each transfer is a small state machine (TransferState) moved only by `_move`. The receiver
 (`KVReceiver`) listens on the decoder's KV port and fills one `KVInbox` per expected request;
 the sender (`KVSender`) keeps one handshaken connection per decoder address, and an
-`OutgoingTransfer` streams one request's chunks to one decoder through a bounded queue, so a
-slow link makes P wait instead of buffering without bound. Frames for a request the receiver
-does not expect (late, duplicate, aborted) are read and dropped.
+`OutgoingTransfer` streams one request's chunks to one decoder through a queue. While a transfer
+has nothing to send (its chunks still wait for P's engine) its sender writes a KEEPALIVE every
+`keepalive_s`, so the receiver's stall deadline measures the link and P's liveness, never P's
+queue. Frames for a request the receiver does not expect (late, duplicate, aborted) are read and
+dropped.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ log = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_S = 5.0
 MAX_FRAME_BYTES = 2 * 1024 * 1024
 PROGRESS_READ_BYTES = 256 * 1024  # a receiver notes progress this often inside one frame
+KEEPALIVE_MAX_S = 1.0  # an idle transfer speaks at least this often, whatever the stall timeout
+ABORT_FRAME_TIMEOUT_S = 1.0
 
 
 class TransferState(enum.Enum):
@@ -90,8 +94,9 @@ class KVInbox(_StateMachine):
         self._cells_filled = 0
         self._seen: set[tuple[int, int, int, int]] = set()
         self.bytes_received = 0
+        self.keepalives = 0
         self.first_frame_at: float | None = None
-        self.last_progress_at: float | None = None  # a frame, or part of one, arrived
+        self.last_progress_at: float | None = None  # a frame, part of one, or a KEEPALIVE arrived
         self.done_at: float | None = None
         self.error: PddError | None = None
         self._ended = asyncio.Event()
@@ -124,6 +129,11 @@ class KVInbox(_StateMachine):
         """Part of a frame arrived: on a slow link one 2 MiB frame takes seconds, and that is progress."""
         self.last_progress_at = time.monotonic()
 
+    def keepalive(self) -> None:
+        """The sender still holds the request (its KV waits for P's engine) and the link works."""
+        self.keepalives += 1
+        self.saw_bytes()
+
     def _finish(self) -> None:
         self._move(TransferState.DONE)
         self.done_at = time.monotonic()
@@ -144,8 +154,10 @@ class KVInbox(_StateMachine):
     async def wait(self, timeout_s: float, stall_timeout_s: float | None = None) -> torch.Tensor:
         """The complete KV [layers, 2, kv_heads, tokens, head_dim], or the transfer's error.
 
-        Two deadlines: the whole transfer within `timeout_s`, and once bytes flow, no gap in them
-        longer than `stall_timeout_s` (a cut or stuck link shows up as a stall).
+        Two deadlines: the whole transfer within `timeout_s`, and once the sender has spoken (KV
+        bytes or a KEEPALIVE), no silence longer than `stall_timeout_s` (a cut or stuck link, or a
+        dead sender, shows up as a stall). Before the sender's first word the request is waiting
+        (the sender has not opened its transfer yet), and only `timeout_s` bounds that.
         """
         deadline = time.monotonic() + timeout_s
         while not self.ended:
@@ -255,6 +267,10 @@ class KVReceiver:
         header = kv_wire.unpack_header(await reader.readexactly(kv_wire.FRAME_HEADER.size))
         inbox = self.inboxes.get(header.request_id)
         payload = await _read_payload(reader, header.payload_len, inbox)
+        if header.kind is kv_wire.FrameKind.KEEPALIVE:
+            if inbox is not None:
+                inbox.keepalive()
+            return
         if inbox is None or inbox.ended:
             self.frames_dropped += 1
             return
@@ -295,11 +311,14 @@ class KVConnection:
     def closed(self) -> bool:
         return self.writer.is_closing() or self.reader.at_eof()
 
-    async def write(self, *parts: bytes | memoryview) -> None:
+    async def write(self, *parts: bytes | memoryview, stall_timeout_s: float | None = None) -> None:
+        """Write one frame whole. `stall_timeout_s` bounds the link taking it, not the wait for the
+        connection: frames of other requests ahead of it are a queue, not a stall."""
         async with self.lock:
-            for part in parts:
-                self.writer.write(part)
-            await self.writer.drain()
+            async with asyncio.timeout(stall_timeout_s):
+                for part in parts:
+                    self.writer.write(part)
+                await self.writer.drain()
 
     def close(self) -> None:
         self.writer.close()
@@ -323,6 +342,13 @@ class KVSender:
         self.throughput = LinkThroughput()
         self._pools: dict[tuple[str, int], list[KVConnection]] = {}
         self._connecting: dict[tuple[str, int], asyncio.Lock] = {}
+        self._abort_frames: set[asyncio.Task] = set()  # each bounded by ABORT_FRAME_TIMEOUT_S; awaited by close()
+
+    @property
+    def keepalive_s(self) -> float:
+        """How long an idle transfer stays silent: well inside the receiver's stall deadline (P and
+        the decoders take the same --kv-stall-timeout-s), and at most KEEPALIVE_MAX_S."""
+        return min(KEEPALIVE_MAX_S, self.stall_timeout_s / 4)
 
     async def connections(self, host: str, port: int) -> list[KVConnection]:
         key = (host, port)
@@ -372,7 +398,28 @@ class KVSender:
     def open_connections(self) -> int:
         return sum(1 for pool in self._pools.values() for conn in pool if not conn.closed)
 
+    def send_abort_frame(self, request_id: str, host: str, port: int) -> None:
+        """Tell a decoder, if its link is healthy, that P gave up on a request; close() awaits it."""
+        task = asyncio.create_task(self._send_abort_frame(request_id, host, port),
+                                   name=f"kv-abort-{request_id}")
+        self._abort_frames.add(task)
+        task.add_done_callback(self._abort_frames.discard)
+
+    async def _send_abort_frame(self, request_id: str, host: str, port: int) -> None:
+        try:
+            async with asyncio.timeout(ABORT_FRAME_TIMEOUT_S):
+                conn = await self.connection(host, port)
+                await conn.write(kv_wire.pack_control_frame(kv_wire.FrameKind.ABORT, request_id, self.layout,
+                                                            self.wire_dtype))
+        except asyncio.CancelledError:
+            raise
+        except (PddError, OSError, TimeoutError) as exc:
+            log.debug("abort frame for %s not sent: %s", request_id, exc)
+
     async def close(self) -> None:
+        """Let pending ABORT frames out (each within its own timeout), then close every connection."""
+        if self._abort_frames:
+            await asyncio.gather(*self._abort_frames, return_exceptions=True)
         for pool in self._pools.values():
             for conn in pool:
                 conn.close()
@@ -424,6 +471,8 @@ class OutgoingTransfer(_StateMachine):
         # and with it the fast path to RLD.
         self._queue: asyncio.Queue = asyncio.Queue(maxsize=max(0, queue_chunks))
         self._started = time.monotonic()
+        self._keepalive_frame = kv_wire.pack_control_frame(kv_wire.FrameKind.KEEPALIVE, request_id, sender.layout,
+                                                           sender.wire_dtype)
         self._task = asyncio.create_task(self._pump(), name=f"kv-send-{request_id}-{target.role}")
 
     async def put(self, token_start: int, kv: torch.Tensor) -> None:
@@ -431,14 +480,11 @@ class OutgoingTransfer(_StateMachine):
         if not self.ended:
             await self._queue.put((token_start, kv, time.monotonic()))
 
-    async def finish(self, token_end: int) -> TransferResult:
+    async def finish(self) -> TransferResult:
+        """Every chunk is queued: wait until the last one is written (or the transfer ended)."""
         if not self.ended:
-            await self._queue.put((_END, token_end, time.monotonic()))
-        try:
-            await self._task
-        except asyncio.CancelledError:
-            if not self._task.cancelled():
-                raise
+            await self._queue.put((_END, None, time.monotonic()))
+        await self.wait_closed()
         return TransferResult(self.target, self.state, self.kv_bytes, time.monotonic() - self._started, self.error)
 
     def abort(self, reason: str) -> None:
@@ -448,19 +494,15 @@ class OutgoingTransfer(_StateMachine):
         self._move(TransferState.ABORTED)
         self.error = reason
         self._task.cancel()
-        asyncio.create_task(self._send_abort_frame())  # owned by the event loop; bounded by its timeout
+        self.sender.send_abort_frame(self.request_id, self.target.host, self.target.port)
 
-    async def _send_abort_frame(self) -> None:
+    async def wait_closed(self) -> None:
+        """Until the pump has stopped (it ended, or an abort cancelled it)."""
         try:
-            async with asyncio.timeout(1.0):
-                conn = await self.sender.connection(self.target.host, self.target.port)
-                layout = self.sender.layout
-                await conn.write(kv_wire.pack_header(kv_wire.FrameKind.ABORT, self.request_id, (0, 0), (0, 0),
-                                                     self.sender.wire_dtype, layout.kv_heads, layout.head_dim))
+            await self._task
         except asyncio.CancelledError:
-            raise
-        except (PddError, OSError, TimeoutError) as exc:
-            log.debug("abort frame for %s not sent: %s", self.request_id, exc)
+            if not self._task.cancelled():
+                raise
 
     async def _pump(self) -> None:
         host, port = self.target.host, self.target.port
@@ -469,14 +511,15 @@ class OutgoingTransfer(_StateMachine):
                 conns = await self.sender.connections(host, port)
                 first_byte_at: float | None = None
                 while True:
-                    token_start, item, queued_at = await self._queue.get()
+                    try:
+                        async with asyncio.timeout(self.sender.keepalive_s):
+                            token_start, item, queued_at = await self._queue.get()
+                    except TimeoutError:  # P's engine has not made the next chunk yet: say so
+                        await self._write(conns[0], self._keepalive_frame)
+                        continue
                     if self.target.delay_s > 0:  # each chunk leaves delay_s after P made it, like a long link
                         await asyncio.sleep(max(0.0, queued_at + self.target.delay_s - time.monotonic()))
                     if token_start is _END:
-                        layout = self.sender.layout
-                        await conns[0].write(kv_wire.pack_header(
-                            kv_wire.FrameKind.END, self.request_id, (0, layout.num_layers), (0, item),
-                            self.sender.wire_dtype, layout.kv_heads, layout.head_dim))
                         break
                     if self.state is TransferState.WAITING:
                         self._move(TransferState.TRANSFERRING)
@@ -510,11 +553,13 @@ class OutgoingTransfer(_StateMachine):
 
     async def _write_frames(self, conn: KVConnection, frames: list[tuple[bytes, memoryview]]) -> None:
         for frame in frames:
-            try:
-                async with asyncio.timeout(self.sender.stall_timeout_s):
-                    await conn.write(*frame)
-            except TimeoutError as exc:
-                raise PeerGone(f"KV link stalled: a frame took over {self.sender.stall_timeout_s:.1f}s") from exc
+            await self._write(conn, *frame)
+
+    async def _write(self, conn: KVConnection, *parts: bytes | memoryview) -> None:
+        try:
+            await conn.write(*parts, stall_timeout_s=self.sender.stall_timeout_s)
+        except TimeoutError as exc:
+            raise PeerGone(f"KV link stalled: a frame took over {self.sender.stall_timeout_s:.1f}s") from exc
 
     def _fail(self, reason: str) -> None:
         if not self.ended:

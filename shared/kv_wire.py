@@ -3,10 +3,10 @@
 A connection opens with a CHALLENGE (length-prefixed JSON with a nonce) from the receiver, a
 HELLO from the sender (its model layout, its own nonce, and, when a shared secret is set, an
 HMAC of the receiver's nonce), and a WELCOME (with an HMAC of the sender's nonce: the
-authentication is mutual) or a REFUSE from the receiver; after that, frames only. A frame is a fixed header (see FRAME_HEADER) and
-a payload of `payload_len` bytes holding K and V for a layer range and a token range, laid
-out as [layers, 2 (K, V), kv_heads, tokens, head_dim] in the frame's dtype. This module only
-packs and checks bytes; it owns no sockets.
+authentication is mutual) or a REFUSE from the receiver; after that, frames only. A frame is a
+fixed header (see FRAME_HEADER) and, for DATA, a payload of `payload_len` bytes holding K and V
+for a layer range and a token range, laid out as [layers, 2 (K, V), kv_heads, tokens, head_dim]
+in the frame's dtype. This module only packs and checks bytes; it owns no sockets.
 """
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ import torch
 
 from shared.errors import IncompatiblePeer, ProtocolError
 from shared.models import KVLayout
+from shared.names import DType
 
 MAGIC = b"PDKV"
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: KEEPALIVE frames; the END frame of version 2 is gone
 MAX_HELLO_BYTES = 64 * 1024
 MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
 
@@ -38,13 +39,14 @@ _LENGTH = struct.Struct("!I")
 
 class FrameKind(enum.IntEnum):
     DATA = 1
-    END = 2  # token_end carries the transfer's total token count; no payload
+    # 2 was END (version 2): never read, since a transfer is complete when every cell has arrived
     ABORT = 3  # the sender gave up on this request; no payload
+    KEEPALIVE = 4  # the sender still holds this request open and the link works; no payload
 
 
 WIRE_DTYPES: dict[int, torch.dtype] = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16}
 DTYPE_CODES = {dtype: code for code, dtype in WIRE_DTYPES.items()}
-DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_NAMES = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,11 @@ def pack_header(kind: FrameKind, request_id: str, layer_range: tuple[int, int], 
         MAGIC, PROTOCOL_VERSION, kind, DTYPE_CODES[dtype], request_id_bytes(request_id),
         layer_range[0], layer_range[1], token_range[0], token_range[1], kv_heads, head_dim,
         len(payload), zlib.crc32(payload))
+
+
+def pack_control_frame(kind: FrameKind, request_id: str, layout: KVLayout, dtype: torch.dtype) -> bytes:
+    """A frame without payload (ABORT, KEEPALIVE) for a request."""
+    return pack_header(kind, request_id, (0, 0), (0, 0), dtype, layout.kv_heads, layout.head_dim)
 
 
 def pack_data_frame(request_id: str, layer_start: int, token_start: int,

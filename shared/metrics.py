@@ -87,7 +87,7 @@ class PrefillMetrics(_RoleMetrics):
                                       buckets=LATENCY_BUCKETS_S, registry=r)
         self.kv_bytes = Counter("pdd_kv_transfer_bytes", "KV bytes sent (frame headers included), by target role",
                                 ["target"], registry=r)
-        self.kv_transfer_time = Histogram("pdd_kv_transfer_seconds", "One KV path from start to END frame",
+        self.kv_transfer_time = Histogram("pdd_kv_transfer_seconds", "One KV path from start to its last frame written",
                                           ["target"], buckets=TRANSFER_BUCKETS_S, registry=r)
         self.kv_transfers = Counter("pdd_kv_transfers", "KV paths by target role and outcome (done, failed, aborted)",
                                     ["target", "outcome"], registry=r)

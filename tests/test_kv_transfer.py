@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Self
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from shared.errors import DeadlineExceeded, IncompatiblePeer, ProtocolError, Req
 from shared.kv_transfer import KVReceiver, KVSender, OutgoingTransfer, TransferState
 from shared.messages import KVTarget
 from shared.models import KVLayout
+from shared.names import Role
 
 LAYOUT = KVLayout("tiny@abc", num_layers=4, kv_heads=2, head_dim=16)
 
@@ -30,7 +32,7 @@ async def receiver():
 
 
 async def _send(sender: KVSender, port: int, rid: str, kv: torch.Tensor, chunk: int) -> OutgoingTransfer:
-    transfer = OutgoingTransfer(sender, KVTarget("main", "127.0.0.1", port), rid, queue_chunks=2, deadline_s=5)
+    transfer = OutgoingTransfer(sender, KVTarget(Role.MAIN, "127.0.0.1", port), rid, queue_chunks=2, deadline_s=5)
     for start in range(0, kv.shape[3], chunk):
         await transfer.put(start, kv[:, :, :, start:start + chunk])
     return transfer
@@ -42,7 +44,7 @@ async def test_chunks_arrive_complete_and_in_place(receiver: KVReceiver) -> None
     rid = _rid()
     inbox = receiver.expect(rid, 0, 50)
     transfer = await _send(sender, receiver.port, rid, kv, chunk=16)
-    result = await transfer.finish(50)
+    result = await transfer.finish()
     got = await inbox.wait(5)
     assert result.state is TransferState.DONE and inbox.state is TransferState.DONE
     assert torch.equal(got, kv)
@@ -55,7 +57,7 @@ async def test_bf16_wire_is_converted_by_the_receiver(receiver: KVReceiver) -> N
     kv = torch.randn(4, 2, 2, 8, 16)
     rid = _rid()
     inbox = receiver.expect(rid, 0, 8)
-    await (await _send(sender, receiver.port, rid, kv, chunk=8)).finish(8)
+    await (await _send(sender, receiver.port, rid, kv, chunk=8)).finish()
     got = await inbox.wait(5)
     assert got.dtype == torch.float32
     assert torch.equal(got, kv.to(torch.bfloat16).to(torch.float32))
@@ -80,7 +82,7 @@ async def test_garbage_closes_only_that_connection(receiver: KVReceiver) -> None
     sender = KVSender(LAYOUT, torch.float32, 2.0)
     rid = _rid()
     inbox = receiver.expect(rid, 0, 4)
-    await (await _send(sender, receiver.port, rid, torch.randn(4, 2, 2, 4, 16), 4)).finish(4)
+    await (await _send(sender, receiver.port, rid, torch.randn(4, 2, 2, 4, 16), 4)).finish()
     assert (await inbox.wait(5)).shape[3] == 4
     await sender.close()
 
@@ -101,9 +103,9 @@ async def test_frames_for_unknown_or_released_requests_are_dropped(receiver: KVR
     inbox = receiver.expect(rid, 0, 8)
     receiver.release(rid, "client gone")
     assert inbox.state is TransferState.ABORTED
-    await (await _send(sender, receiver.port, rid, torch.randn(4, 2, 2, 8, 16), 4)).finish(8)
+    await (await _send(sender, receiver.port, rid, torch.randn(4, 2, 2, 8, 16), 4)).finish()
     await asyncio.sleep(0.1)
-    assert receiver.frames_dropped == 3 and rid not in receiver.inboxes
+    assert receiver.frames_dropped == 2 and rid not in receiver.inboxes  # both DATA frames (no END since protocol 3)
     await sender.close()
 
 
@@ -132,9 +134,9 @@ async def test_missing_kv_fails_within_its_deadline(receiver: KVReceiver) -> Non
 
 async def test_send_to_a_dead_port_fails_the_transfer() -> None:
     sender = KVSender(LAYOUT, torch.float32, 1.0)
-    transfer = OutgoingTransfer(sender, KVTarget("main", "127.0.0.1", 1), _rid(), 2, 5)
+    transfer = OutgoingTransfer(sender, KVTarget(Role.MAIN, "127.0.0.1", 1), _rid(), 2, 5)
     await transfer.put(0, torch.randn(4, 2, 2, 4, 16))
-    result = await transfer.finish(4)
+    result = await transfer.finish()
     assert result.state is TransferState.FAILED and "failed" in result.error
 
 
@@ -143,7 +145,7 @@ async def test_parallel_connections_carry_one_transfer(receiver: KVReceiver) -> 
     kv = torch.randn(4, 2, 2, 4096, 16)
     rid = _rid()
     inbox = receiver.expect(rid, 0, 4096)
-    result = await (await _send(sender, receiver.port, rid, kv, chunk=1024)).finish(4096)
+    result = await (await _send(sender, receiver.port, rid, kv, chunk=1024)).finish()
     assert result.state is TransferState.DONE
     assert torch.equal(await inbox.wait(5), kv)
     assert receiver.open_connections == 4 and sender.open_connections == 4
@@ -156,10 +158,10 @@ async def test_a_stalled_transfer_fails_on_both_sides_within_the_stall_deadline(
     silent_server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
     port = silent_server.sockets[0].getsockname()[1]
     sender = KVSender(LAYOUT, torch.float32, connect_timeout_s=0.5, stall_timeout_s=0.5)
-    transfer = OutgoingTransfer(sender, KVTarget("main", "127.0.0.1", port), _rid(), 2, deadline_s=30)
+    transfer = OutgoingTransfer(sender, KVTarget(Role.MAIN, "127.0.0.1", port), _rid(), 2, deadline_s=30)
     loop = asyncio.get_running_loop()
     t0 = loop.time()
-    result = await transfer.finish(0)
+    result = await transfer.finish()
     assert result.state is TransferState.FAILED and loop.time() - t0 < 5
     silent_server.close()
 
@@ -182,7 +184,7 @@ async def test_kv_peers_authenticate_each_other_with_a_shared_secret() -> None:
         good = KVSender(LAYOUT, torch.float32, 2.0, secret=b"s3cret")
         rid = _rid()
         inbox = secured.expect(rid, 0, 4)
-        await (await _send(good, port, rid, torch.randn(4, 2, 2, 4, 16), 4)).finish(4)
+        await (await _send(good, port, rid, torch.randn(4, 2, 2, 4, 16), 4)).finish()
         assert (await inbox.wait(5)).shape[3] == 4
         await good.close()
         for secret in (b"wrong", None):
@@ -197,3 +199,105 @@ async def test_a_sender_with_a_secret_refuses_an_unauthenticated_receiver(receiv
     sender = KVSender(LAYOUT, torch.float32, 2.0, secret=b"s3cret")
     with pytest.raises(ProtocolError, match="authentication"):
         await sender.connection("127.0.0.1", receiver.port)
+
+
+class CuttableLink:
+    """A TCP relay to a receiver that can go silent, like a cut WAN link that drops packets."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.cut = False
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def __aenter__(self) -> Self:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.listen_port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._server.close()
+        for writer in self._writers:
+            writer.close()
+        await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        self._writers |= {writer, up_writer}
+        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            if not self.cut:
+                writer.write(data)
+                await writer.drain()
+
+
+STALL_S = 0.3
+
+
+async def test_a_transfer_queued_at_p_longer_than_the_stall_deadline_completes(receiver: KVReceiver) -> None:
+    """P opens the transfer, then its engine makes the chunks late: before the first and between
+    two, each wait longer than the stall deadline. Keepalives say P still holds the request."""
+    sender = KVSender(LAYOUT, torch.float32, 2.0, stall_timeout_s=STALL_S)
+    kv = torch.randn(4, 2, 2, 8, 16)
+    rid = _rid()
+    inbox = receiver.expect(rid, 0, 8)
+    waiting = asyncio.create_task(inbox.wait(30, stall_timeout_s=STALL_S))
+    transfer = OutgoingTransfer(sender, KVTarget(Role.MAIN, "127.0.0.1", receiver.port), rid, 0, deadline_s=30)
+    await asyncio.sleep(3 * STALL_S)  # queued behind other prompts
+    await transfer.put(0, kv[:, :, :, :4])
+    await asyncio.sleep(3 * STALL_S)  # the second chunk queued again
+    await transfer.put(4, kv[:, :, :, 4:])
+    result = await transfer.finish()
+    assert torch.equal(await waiting, kv)
+    assert result.state is TransferState.DONE and inbox.state is TransferState.DONE
+    assert inbox.keepalives >= 4 and receiver.frames_dropped == 0
+    await sender.close()
+
+
+async def test_a_link_that_goes_silent_mid_stream_fails_on_the_stall_deadline(receiver: KVReceiver) -> None:
+    """Keepalives do not hide a cut: they stop crossing with everything else."""
+    sender = KVSender(LAYOUT, torch.float32, 2.0, stall_timeout_s=STALL_S)
+    rid = _rid()
+    inbox = receiver.expect(rid, 0, 8)
+    async with CuttableLink(receiver.port) as link:
+        transfer = OutgoingTransfer(sender, KVTarget(Role.MAIN, "127.0.0.1", link.listen_port), rid, 0, deadline_s=30)
+        await transfer.put(0, torch.randn(4, 2, 2, 4, 16))
+        while inbox.state is TransferState.WAITING:
+            await asyncio.sleep(0.01)
+        link.cut = True
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(DeadlineExceeded, match="stalled"):
+            await inbox.wait(30, stall_timeout_s=STALL_S)
+        assert loop.time() - t0 < 5 * STALL_S
+        transfer.abort("test over")
+        await sender.close()
+
+
+async def test_closing_the_sender_delivers_pending_abort_frames_first(receiver: KVReceiver) -> None:
+    sender = KVSender(LAYOUT, torch.float32, 2.0)
+    rid = _rid()
+    inbox = receiver.expect(rid, 0, 8)
+    transfer = await _send(sender, receiver.port, rid, torch.randn(4, 2, 2, 4, 16), 4)
+    transfer.abort("P shutting down")
+    await sender.close()  # owns the ABORT frame's task: it goes out before the connections close
+    with pytest.raises(RequestAborted, match="sender aborted"):
+        await inbox.wait(5)
+    await transfer.wait_closed()
+
+
+async def test_a_frame_waiting_behind_other_requests_frames_is_not_a_stall(receiver: KVReceiver) -> None:
+    """The stall deadline bounds the link taking a frame, not the frame's wait for the connection."""
+    sender = KVSender(LAYOUT, torch.float32, 2.0, stall_timeout_s=STALL_S)
+    kv = torch.randn(4, 2, 2, 4, 16)
+    rid = _rid()
+    inbox = receiver.expect(rid, 0, 4)
+    conn = await sender.connection("127.0.0.1", receiver.port)
+    async with conn.lock:  # other requests' frames hold the one connection
+        transfer = await _send(sender, receiver.port, rid, kv, 4)
+        await asyncio.sleep(3 * STALL_S)
+    result = await transfer.finish()
+    assert result.state is TransferState.DONE
+    assert torch.equal(await inbox.wait(5, stall_timeout_s=STALL_S), kv)
+    await sender.close()

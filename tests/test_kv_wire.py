@@ -46,6 +46,20 @@ def test_header_with_wrong_shape_length_is_refused() -> None:
         kv_wire.unpack_header(bad)
 
 
+@pytest.mark.parametrize("kind", [kv_wire.FrameKind.KEEPALIVE, kv_wire.FrameKind.ABORT])
+def test_control_frame_round_trip(kind: kv_wire.FrameKind) -> None:
+    rid = _rid()
+    header = kv_wire.unpack_header(kv_wire.pack_control_frame(kind, rid, LAYOUT, torch.bfloat16))
+    assert (header.kind, header.request_id, header.payload_len) == (kind, rid, 0)
+
+
+def test_the_end_frame_of_protocol_2_is_refused() -> None:
+    header = bytearray(kv_wire.pack_control_frame(kv_wire.FrameKind.KEEPALIVE, _rid(), LAYOUT, torch.float32))
+    header[5] = 2  # kind: END, sent by version 2 senders and never read
+    with pytest.raises(ProtocolError, match="bad frame field"):
+        kv_wire.unpack_header(bytes(header))
+
+
 def test_handshake_refuses_other_model_and_layout() -> None:
     kv_wire.check_hello(kv_wire.hello(LAYOUT, torch.bfloat16), LAYOUT)
     other = KVLayout("other@def", 4, 2, 16)

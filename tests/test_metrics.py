@@ -151,7 +151,7 @@ async def test_an_abort_is_counted_where_it_stopped_work(stack, session, metrics
     assert delta(before, after, "gateway", "pdd_aborts_total", reason="finished") == 1
     assert delta(before, after, "prefill", "pdd_aborts_total", reason="finished") == 1
     assert delta(before, after, "prefill", "pdd_kv_transfers_total", target="main", outcome="aborted") == 1
-    # RLD needs every KV cell, not P's END frame: the Abort may cut RLD's path after its last byte
+    # RLD needs every KV cell: the Abort may cut RLD's path after its last byte
     assert delta(before, after, "prefill", "pdd_kv_transfers_total", target="relay") == 1
     assert delta(before, after, "gateway", "pdd_handoffs_total") == 0
 

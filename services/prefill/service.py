@@ -1,6 +1,7 @@
 """Prefill (P) service shell: takes PrefillRequests over NATS and streams KV to the decoders.
 
-Each request's KV goes to every target (RLD and MD) in parallel, chunk by chunk as P computes.
+Each request is a `PrefillJob` (job.py: its lifecycle); its KV goes to every target (RLD and MD) in
+parallel, chunk by chunk as P computes.
 """
 from __future__ import annotations
 
@@ -23,12 +24,14 @@ from shared.metrics import PrefillMetrics, serve as serve_metrics
 from shared.messages import Abort, Heartbeat, PrefillAccepted, PrefillDone, PrefillRequest, RequestFailed
 from shared.model_runner import ModelRunner
 from shared.models import kv_layout, load_model, resolve_model
-from shared.radix_cache import PrefixHandle, RadixCache
+from shared.names import Role
+from shared.radix_cache import RadixCache
 from shared.service_runtime import heartbeat_loop, now
-from services.prefill.prefiller import Prefiller, chunk_ranges, slice_for_target
+from services.prefill.job import Phase, PrefillJob
+from services.prefill.prefiller import Prefiller, chunk_ranges
 
 log = logging.getLogger(__name__)
-ROLE = "prefill"
+ROLE = Role.PREFILL
 
 
 class PrefillService:
@@ -40,22 +43,18 @@ class PrefillService:
         self.runner = ModelRunner(load_model(path, config.model.dtype, config.model.device))
         self.engine = BatchEngine(self.runner, config.engine, ROLE)  # chunks of many prompts share forwards
         self.prefiller = Prefiller(self.engine, config.chunk_tokens)
-        self.sender = KVSender(self.layout, DTYPE_NAMES[config.kv_wire_dtype], config.kv_connect_timeout_s,
-                               config.kv_connections, config.kv_stall_timeout_s, read_secret(config.kv_secret_file))
+        wire = DTYPE_NAMES[config.kv_wire_dtype]
+        self.sender = KVSender(self.layout, wire, config.kv_connect_timeout_s, config.kv_connections,
+                               config.kv_stall_timeout_s, read_secret(config.kv_secret_file))
         self.tracer = tracing.tracer("pdd.prefill")
         self.cache = RadixCache(config.cache.tokens, config.cache.kv_bytes) if config.cache.enabled else None
-        self.running: dict[str, asyncio.Task] = {}
-        self.transfers: dict[str, list[OutgoingTransfer]] = {}
-        self.prompt_kv_tokens: dict[str, int] = {}
+        self.jobs: dict[str, PrefillJob] = {}
         self.aborted_transfers = 0
-        wire = DTYPE_NAMES[config.kv_wire_dtype]
         self.kv_bytes_per_token = self.layout.num_layers * 2 * self.layout.kv_heads * self.layout.head_dim * wire.itemsize
         self.kv_bytes_saved_by_abort = 0  # KV that never crossed because the request ended first
         self._tasks: set[asyncio.Task] = set()
         self.metrics = PrefillMetrics()
-        self.metrics.track_load(lambda: len(self.running), lambda: self.engine.queued)
-        self.spans: dict[str, trace.Span] = {}  # request id -> its prefill span, for an abort to mark
-        self._transfer_spans: dict[int, tuple[trace.Span, float]] = {}  # id(transfer) -> (span, started)
+        self.metrics.track_load(lambda: len(self.jobs), lambda: self.engine.queued)
 
     async def start(self) -> None:
         self.metrics_server = serve_metrics(self.metrics.registry, self.config.common.metrics_host,
@@ -68,88 +67,79 @@ class PrefillService:
 
     async def stop(self) -> None:
         await self.nc.drain()
-        for task in [*self._tasks, *self.running.values()]:
+        job_tasks = [job.task for job in self.jobs.values() if job.task is not None]
+        for task in [*self._tasks, *job_tasks]:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self.running.values(), return_exceptions=True)
-        await self.sender.close()
+        await asyncio.gather(*self._tasks, *job_tasks, return_exceptions=True)
+        await self.sender.close()  # after the jobs: their ABORT frames go out first
         self.engine.shutdown()
         if self.metrics_server is not None:
             self.metrics_server.close()
 
     def _describe(self) -> Heartbeat:
-        stats = {"open_transfers": sum(len(t) for t in self.transfers.values()),
+        stats = {"open_transfers": sum(len(job.transfers) for job in self.jobs.values()),
                  "kv_connections": self.sender.open_connections,
                  "aborted_transfers": self.aborted_transfers, "kv_bytes_saved_by_abort": self.kv_bytes_saved_by_abort,
                  "kv_bytes_per_token": self.kv_bytes_per_token,
                  **(self.cache.gauges() if self.cache is not None else {})}
-        return Heartbeat(ROLE, self.instance_id, "", 0, self.layout.model_id, len(self.running), 0, now(),
+        return Heartbeat(ROLE, self.instance_id, "", 0, self.layout.model_id, len(self.jobs), 0, now(),
                          dict(self.sender.throughput.bytes_per_s), stats)
 
     async def _on_prefill(self, msg: Msg) -> None:
         try:
             req = messages.decode_as(msg.data, PrefillRequest)
-            if req.request_id in self.running:
+            if req.request_id in self.jobs:
                 raise PddError(f"{req.request_id} is already running here")
         except PddError as exc:
             await bus.reply_error(msg, exc)
             return
-        ctx = tracing.extract(msg.headers)
-        handle = self.cache.lock(req.prompt_ids[:-1]) if self.cache is not None else None
-        self.metrics.prompt_tokens.inc(len(req.prompt_ids) - 1)
-        self.metrics.cache_hit_tokens.inc(handle.length if handle else 0)
-        self.running[req.request_id] = asyncio.create_task(self._run(req, handle, ctx), name=f"prefill-{req.request_id}")
-        await msg.respond(messages.encode(PrefillAccepted(req.request_id, self.instance_id,
-                                                          handle.length if handle else 0)))
-
-    @staticmethod
-    async def _send(chunk: tuple[tuple[int, int], torch.Tensor], transfers: list[OutgoingTransfer]) -> None:
-        """Queue the part of a chunk each decoder lacks (past its target's token_start)."""
-        for transfer in transfers:
-            part = slice_for_target(chunk[1], chunk[0], transfer.target.token_start)
-            if part is not None:
-                await transfer.put(*part)
+        prefix = self.cache.lock(req.prompt_ids[:-1]) if self.cache is not None else None
+        job = PrefillJob(req, prefix, tracing.extract(msg.headers))
+        self.metrics.prompt_tokens.inc(job.prompt_kv_tokens)
+        self.metrics.cache_hit_tokens.inc(job.cached_tokens)
+        self.jobs[req.request_id] = job
+        job.task = asyncio.create_task(self._run(job), name=f"prefill-{req.request_id}")
+        await msg.respond(messages.encode(PrefillAccepted(req.request_id, self.instance_id, job.cached_tokens)))
 
     async def _on_abort(self, msg: Msg) -> None:
         try:
             abort = messages.decode_as(msg.data, Abort)
         except PddError:
             return
-        task = self.running.get(abort.request_id)
-        if task is not None:
-            self.metrics.aborts.labels(abort.reason).inc()
-            if abort.request_id in self.spans:
-                tracing.mark_aborted(self.spans[abort.request_id], abort.reason)
-            prompt_kv_tokens = self.prompt_kv_tokens.get(abort.request_id, 0)
-            for transfer in self.transfers.get(abort.request_id, ()):
-                if not transfer.ended:
-                    self.aborted_transfers += 1
-                    expected = (prompt_kv_tokens - transfer.target.token_start) * self.kv_bytes_per_token
-                    self.kv_bytes_saved_by_abort += max(0, expected - transfer.kv_bytes)
-                transfer.abort(abort.reason)
-            task.cancel()
+        job = self.jobs.get(abort.request_id)
+        if job is None or job.ended or job.task is None:
+            return
+        self.metrics.aborts.labels(abort.reason).inc()
+        if job.span is not None:
+            tracing.mark_aborted(job.span, abort.reason)
+        for transfer in job.open_transfers():
+            self.aborted_transfers += 1
+            self.kv_bytes_saved_by_abort += job.unsent_kv_bytes(transfer, self.kv_bytes_per_token)
+            transfer.abort(abort.reason)
+        job.task.cancel()
 
-    async def _run(self, req: PrefillRequest, handle: PrefixHandle | None, ctx) -> None:
+    async def _run(self, job: PrefillJob) -> None:
+        req = job.request
         events = subjects.request_events(req.request_id)
-        transfers = [OutgoingTransfer(self.sender, target, req.request_id, self.config.kv_queue_chunks, req.deadline_s)
-                     for target in req.targets]
-        self.transfers[req.request_id] = transfers
-        self.prompt_kv_tokens[req.request_id] = len(req.prompt_ids) - 1
+        job.transfers = [OutgoingTransfer(self.sender, target, req.request_id, self.config.kv_queue_chunks,
+                                          req.deadline_s) for target in req.targets]
         kv_ids = req.prompt_ids[:-1]
-        hit = handle.length if handle else 0
+        hit = job.cached_tokens
         try:
-            with self.tracer.start_as_current_span("prefill", context=ctx) as span:
+            with self.tracer.start_as_current_span("prefill", context=job.trace_context) as span:
                 span.set_attributes({"pdd.request_id": req.request_id, "pdd.prompt_tokens": len(req.prompt_ids),
                                      "pdd.cached_tokens": hit, "pdd.targets": [t.role for t in req.targets]})
-                self.spans[req.request_id] = span
-                for transfer in transfers:
-                    self._start_transfer_span(transfer)
+                job.span = span
+                for transfer in job.transfers:
+                    self._start_transfer_span(job, transfer)
                 t0 = time.monotonic()
-                chunks: list[tuple[tuple[int, int], torch.Tensor]] = []
+                job.move(Phase.COMPUTING)
+                chunks: list[torch.Tensor] = []
                 if hit:
-                    chunks.append(((0, hit), self.cache.gather(handle)))
-                    handle.release()  # the gathered copy is ours; the tree may evict now
-                    await self.prefiller.open(req.request_id, len(kv_ids), chunks[0][1])
-                    await self._send(chunks[0], transfers)
+                    chunks.append(self.cache.gather(job.prefix))
+                    job.prefix.release()  # the gathered copy is ours; the tree may evict now
+                    await self.prefiller.open(req.request_id, len(kv_ids), chunks[0])
+                    await job.queue_kv((0, hit), chunks[0])
                 else:
                     await self.prefiller.open(req.request_id, len(kv_ids))
                 for chunk in chunk_ranges(len(kv_ids), self.config.chunk_tokens, start=hit):
@@ -161,65 +151,71 @@ class PrefillService:
                     if chunk[0] == hit:  # the first chunk's wait for the engine is the request's queueing
                         tracing.record_span(self.tracer, "prefill.queue", submitted_ns, started_ns,
                                             {"pdd.engine_queued": self.engine.queued})
-                    chunks.append((chunk, kv))
-                    await self._send(chunks[-1], transfers)
+                    chunks.append(kv)
+                    await job.queue_kv(chunk, kv)
                 prefill_s = time.monotonic() - t0
+                job.move(Phase.SENDING)
                 self.metrics.prefill_time.observe(prefill_s)
                 self.metrics.computed_tokens.inc(len(kv_ids) - hit)
                 self.prefiller.release(req.request_id)
                 if self.cache is not None and len(chunks) > (1 if hit else 0):
-                    full_kv = await self.engine.run(_concat_tokens, [kv for _, kv in chunks])
+                    full_kv = await self.engine.run(_concat_tokens, chunks)
                     self.cache.insert(kv_ids, full_kv)
-                results = await asyncio.gather(*(self._finish_transfer(t, len(kv_ids)) for t in transfers))
+                results = await asyncio.gather(*(self._finish_transfer(job, t) for t in job.transfers))
                 for result in results:
                     span.add_event("kv_transfer", {"pdd.role": result.target.role, "pdd.kv_bytes": result.kv_bytes,
                                                    "pdd.send_s": result.send_s, "pdd.state": result.state.value})
+            failed = [result for result in results if result.state is not TransferState.DONE]
+            job.move(Phase.FAILED if failed else Phase.DONE)
             await bus.publish(self.nc, events, PrefillDone(
                 req.request_id, self.instance_id, len(kv_ids) - hit, prefill_s,
                 {r.target.role: r.kv_bytes for r in results}, {r.target.role: r.send_s for r in results}))
-            for result in results:
-                if result.state is not TransferState.DONE:
-                    await bus.publish(self.nc, events, RequestFailed(
-                        req.request_id, ROLE, "kv_transfer_failed", result.error or "KV transfer failed",
-                        path=result.target.role))
+            for result in failed:
+                await bus.publish(self.nc, events, RequestFailed(
+                    req.request_id, ROLE, "kv_transfer_failed", result.error or "KV transfer failed",
+                    path=result.target.role))
         except asyncio.CancelledError:
-            for transfer in transfers:
+            for transfer in job.transfers:
                 transfer.abort("cancelled")
+            if not job.ended:  # an Abort, or P shutting down
+                job.move(Phase.ABORTED)
             raise
         except Exception as exc:
             log.exception("prefill of %s failed", req.request_id)
-            for transfer in transfers:
+            for transfer in job.transfers:
                 transfer.abort("prefill failed")
+            if job.ended:  # only publishing the outcome failed
+                return
+            job.move(Phase.FAILED)
             code = exc.code if isinstance(exc, PddError) else "prefill_failed"
             await bus.publish(self.nc, events, RequestFailed(req.request_id, ROLE, code, str(exc)))
         finally:
             self.prefiller.release(req.request_id)  # idempotent: frees the prompt's KV once on every path
-            if handle is not None:
-                handle.release()
-            for transfer in transfers:  # those that ended early: aborted, or the prefill failed
-                self._end_transfer_span(transfer, transfer.state, transfer.error)
-            self.spans.pop(req.request_id, None)
-            self.running.pop(req.request_id, None)
-            self.transfers.pop(req.request_id, None)
-            self.prompt_kv_tokens.pop(req.request_id, None)
+            if job.prefix is not None:
+                job.prefix.release()
+            for transfer in job.transfers:  # those that ended early: aborted, or the prefill failed
+                self._end_transfer_span(job, transfer, transfer.state, transfer.error)
+            self.jobs.pop(req.request_id, None)
+            await asyncio.gather(*(transfer.wait_closed() for transfer in job.transfers))  # pumps end with the job
 
-    def _start_transfer_span(self, transfer: OutgoingTransfer) -> None:
+    def _start_transfer_span(self, job: PrefillJob, transfer: OutgoingTransfer) -> None:
         """One span per KV path, child of the prefill span: P's view of the local or WAN transfer."""
         target = transfer.target
         span = self.tracer.start_span("prefill.kv_transfer", attributes={
             "pdd.request_id": transfer.request_id, "pdd.target_role": target.role,
             "pdd.peer": f"{target.host}:{target.port}", "pdd.token_start": target.token_start,
             "pdd.delay_s": target.delay_s, "pdd.connections": self.sender.connections_per_peer})
-        self._transfer_spans[id(transfer)] = (span, time.monotonic())
+        job.transfer_spans[transfer] = (span, time.monotonic())
 
-    async def _finish_transfer(self, transfer: OutgoingTransfer, token_end: int) -> TransferResult:
-        result = await transfer.finish(token_end)
-        self._end_transfer_span(transfer, result.state, result.error)
+    async def _finish_transfer(self, job: PrefillJob, transfer: OutgoingTransfer) -> TransferResult:
+        result = await transfer.finish()
+        self._end_transfer_span(job, transfer, result.state, result.error)
         return result
 
-    def _end_transfer_span(self, transfer: OutgoingTransfer, state: TransferState, error: str | None) -> None:
+    def _end_transfer_span(self, job: PrefillJob, transfer: OutgoingTransfer, state: TransferState,
+                           error: str | None) -> None:
         """Idempotent: the first call ends the span and counts the transfer."""
-        entry = self._transfer_spans.pop(id(transfer), None)
+        entry = job.transfer_spans.pop(transfer, None)
         if entry is None:
             return
         span, started = entry
