@@ -8,16 +8,17 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from tools.bench import report
 from tools.bench.cli import add_bench_parser, config_from_args, finish_report
 from tools.bench.config import (AgenticOptions, BenchConfig, LoadOptions, MooncakeOptions, Slo, StackOptions,
-                                 SyntheticOptions, WanLink)
+                                 SyntheticOptions, Target, WanLink)
 from tools.bench.metrics import handoff_stall_s, summarize, tpot_s
 from tools.bench.modes import MODES, stack_config, unavailable_reason
 from tools.bench.replay import RequestRecord
-from tools.bench.runner import RunResult, plan_workloads, run_on_stack
+from tools.bench.runner import RunResult, plan_workloads, run_on_stack, run_target
 from tools.bench.workloads import agentic_workload, mooncake_workload, synthetic_workload
 from tools.launcher import LocalStack
 
@@ -26,6 +27,7 @@ from tools.launcher import LocalStack
 STACK_GROUPS = {"pd-local": ("pd-local",), "pd-wan": ("pd-wan",),
                 "pdd": ("pdd", "pd-wan-drc", "pdd-oneshot", "pdd-catchup")}
 HIT_RATES = (0.0, 0.9)
+PEER = "gateway-as-peer"  # pd-local's gateway, measured as --target-url measures any other server
 
 
 def small_config(out_dir: Path) -> BenchConfig:
@@ -60,6 +62,9 @@ async def bench(tmp_path_factory) -> tuple[BenchConfig, list[RunResult]]:
     try:
         await asyncio.gather(*(s.start() for s in stacks.values()))
         await asyncio.gather(*(run_group(lead) for lead in groups))
+        synthetic = [w for w in plan_workloads(cfg) if w.kind == "synthetic"]
+        results.extend(await run_target(Target(PEER, stacks["pd-local"].api_url), synthetic, cfg,
+                                        lambda r: report.write_result(r, cfg.out_dir)))
     finally:
         await asyncio.gather(*(s.stop() for s in stacks.values()))
     finish_report(cfg)
@@ -77,9 +82,69 @@ def test_every_available_mode_ran_every_workload(bench):
     assert all(r.metrics["requests"]["completed"] == r.metrics["requests"]["sent"] > 0 for r in results)
 
 
+def test_a_target_url_is_measured_by_the_same_client_without_pdd_fields(bench):
+    cfg, results = bench
+    (peer,) = [r for r in results if r.mode == PEER]
+    assert peer.stack["url"].startswith("http://") and peer.metrics["requests"]["completed"] == cfg.load.max_requests
+    for q in peer.records:  # no `pdd` object in the requests: pd-local's gateway chose its own default
+        assert q.ok and q.pipeline == "p-md" and q.completion_tokens == q.max_tokens and q.ttft_s is not None
+    assert peer.metrics["ttft_ms"]["n"] == cfg.load.max_requests and peer.metrics["tpot_ms"]["n"] > 0
+    assert f"| {PEER} |" in (cfg.out_dir / report.SUMMARY_FILE).read_text()
+
+
+async def test_a_server_that_is_not_pdd_is_timed_per_chunk_of_text():
+    """What a peer such as vLLM streams: OpenAI chunks, no `pdd` object; each chunk with text is timed."""
+    from aiohttp import web
+
+    from tools.api_client import PEER_TIER, stream_completion
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        assert "pdd" not in body and body["model"] == "smol"
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, text in enumerate(["a", "", "b", "c"]):  # an empty chunk (held-back text) is not a token time
+            await asyncio.sleep(0.01)
+            chunk = {"choices": [{"index": 0, "text": text, "finish_reason": "length" if i == 3 else None}]}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}
+        await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
+    try:
+        async with aiohttp.ClientSession() as http:
+            result = await stream_completion(http, f"http://127.0.0.1:{port}",
+                                             {"prompt": [1, 2, 3], "max_tokens": 4, "model": "smol"})
+    finally:
+        await runner.cleanup()
+    assert result.text == "abc" and result.tiers == [PEER_TIER] * 3 and result.token_ids == []
+    assert len(result.token_times_s) == 3 and result.token_times_s == sorted(result.token_times_s)
+    assert result.usage["completion_tokens"] == 4 and result.finish_reason == "length"
+
+
+def test_target_url_parses_name_and_url():
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--target-url", "vllm=http://127.0.0.1:8100/v1", "--target-url",
+                              "http://10.0.0.1:9000", "--target-model", "smol"])
+    cfg = config_from_args(args)
+    assert cfg.modes == () and cfg.targets == (Target("vllm", "http://127.0.0.1:8100", "smol"),
+                                               Target("10.0.0.1:9000", "http://10.0.0.1:9000", "smol"))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--target-url", "pdd=127.0.0.1:8000"])  # no scheme
+
+
 def test_counters_add_up(bench):
     _, results = bench
     for r in results:
+        if r.mode == PEER:
+            continue
         m, d = r.metrics, r.metrics["pdd"]
         ok = [q for q in r.records if q.ok]
         for q in ok:

@@ -1,7 +1,9 @@
 """A small client for pdd's OpenAI API that keeps what the `pdd` extension reports per token.
 
 Used by tests and benchmarks: it records each token's id, tier and arrival time, so callers can
-check token-exactness across tiers and measure TTFT and the gaps between tokens.
+check token-exactness across tiers and measure TTFT and the gaps between tokens. Against a server
+without the extension (a peer such as vLLM) it times each chunk that carries text instead, as
+`vllm bench serve` does, with the tier PEER_TIER and no token ids.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import aiohttp
 import orjson
 
 Json = dict[str, object]
+PEER_TIER = "peer"
 
 
 class ApiError(RuntimeError):
@@ -62,6 +65,7 @@ async def stream_completion(session: aiohttp.ClientSession, api_url: str, body: 
 
     `on_token(index, tier)` is called as each token arrives (fault tests time a kill with it)."""
     result = StreamResult()
+    from_pdd = False
     t0 = time.monotonic()
     async with session.post(api_url + path, json={**body, "stream": True,
                                                   "stream_options": {"include_usage": True}}) as resp:
@@ -73,6 +77,7 @@ async def stream_completion(session: aiohttp.ClientSession, api_url: str, body: 
             if event.get("usage"):
                 result.usage = event["usage"]
             pdd = event.get("pdd") or {}
+            from_pdd = from_pdd or "pdd" in event
             for token in pdd.get("tokens", ()):
                 result.token_ids.append(token["id"])
                 result.tiers.append(token["tier"])
@@ -83,7 +88,13 @@ async def stream_completion(session: aiohttp.ClientSession, api_url: str, body: 
                 result.handoff = pdd["handoff"]
             for choice in event.get("choices", ()):
                 delta = choice.get("delta") or {}
-                result.text += delta.get("content") or choice.get("text") or ""
+                text = delta.get("content") or choice.get("text") or ""
+                result.text += text
+                if text and not from_pdd:  # a peer: a chunk of text is the unit that is timed
+                    result.tiers.append(PEER_TIER)
+                    result.token_times_s.append(time.monotonic() - t0)
+                    if on_token is not None:
+                        on_token(len(result.tiers) - 1, PEER_TIER)
                 if choice.get("finish_reason"):
                     result.finish_reason = choice["finish_reason"]
                     result.summary = pdd

@@ -13,10 +13,10 @@ from pathlib import Path
 
 from tools.bench import report
 from tools.bench.config import (WORKLOADS, AgenticOptions, BenchConfig, Costs, LoadOptions, MooncakeOptions,
-                                 Slo, StackOptions, SyntheticOptions, WanLink)
+                                 Slo, StackOptions, SyntheticOptions, Target, WanLink)
 from tools.bench.modes import MODES, NOT_AVAILABLE
 from tools.bench.runner import RunResult, run_bench, skipped_modes
-from tools.launcher import StackError
+from tools.stack_config import StackError
 from shared.models import DTYPES
 
 ALL_MODES = (*MODES, *NOT_AVAILABLE)
@@ -32,6 +32,18 @@ def _names(known: tuple[str, ...]):
     return parse
 
 
+def _target(text: str) -> Target:
+    """NAME=URL or URL (named by its host and port)."""
+    name, _, url = text.rpartition("=") if "=" in text.split("://")[0] else ("", "", text)
+    url = url.rstrip("/").removesuffix("/v1")
+    if not url.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=URL or URL, with http:// or https://")
+    name = name or url.split("://", 1)[1]
+    if name in ALL_MODES:
+        raise argparse.ArgumentTypeError(f"{name!r} is a mode's name: name the target otherwise (NAME=URL)")
+    return Target(name, url)
+
+
 def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x.strip())
 
@@ -42,8 +54,15 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p = subparsers.add_parser("bench", help="replay workloads against a stack in each mode; write results",
                               description="Start the stack in each mode, replay each workload, write results.json "
                                           "per run, summary.md and PNG plots.")
-    p.add_argument("--modes", type=_names(ALL_MODES), default=ALL_MODES,
-                   help=f"comma list of {', '.join(ALL_MODES)} (default: all; unavailable ones are listed as not run)")
+    p.add_argument("--modes", type=_names(ALL_MODES), default=None,
+                   help=f"comma list of {', '.join(ALL_MODES)} (default: all, or none with --target-url; unavailable "
+                        "ones are listed as not run)")
+    p.add_argument("--target-url", dest="targets", type=_target, action="append", default=[],
+                   help="also replay every workload against this OpenAI-compatible server, as NAME=URL (e.g. "
+                        "vllm=http://127.0.0.1:8100); repeatable. Same client and metrics; its requests carry no "
+                        "`pdd` object")
+    p.add_argument("--target-model", default=None,
+                   help="the `model` field of requests to --target-url servers (default: left out)")
     p.add_argument("--workload", dest="workloads", type=_names(WORKLOADS), default=d.workloads,
                    help=f"comma list of {', '.join(WORKLOADS)}")
     p.add_argument("--out", type=Path, default=None, help="results directory (default: bench-results/<timestamp>)")
@@ -107,8 +126,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     out = args.out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
+    targets = tuple(Target(t.name, t.url, args.target_model) for t in args.targets)
+    modes = args.modes if args.modes is not None else (() if targets else ALL_MODES)
     return BenchConfig(
-        modes=args.modes, workloads=args.workloads, hit_rates=args.hit_rates, seed=args.seed, out_dir=out,
+        modes=modes, targets=targets, workloads=args.workloads, hit_rates=args.hit_rates, seed=args.seed, out_dir=out,
         stack=StackOptions(model=args.model, dtype=args.dtype, torch_threads=args.torch_threads,
                            chunk_tokens=args.chunk_tokens, cache_bytes=args.cache_bytes,
                            startup_timeout_s=args.startup_timeout_s, log_dir=out / "logs"),

@@ -99,9 +99,20 @@ class Costs:
     prefill: float = 1.0
     relay: float = 1.0
     main: float = 1.0
+    target: float = 1.0  # one server of another system (--target-url), on the same machine
 
     def of(self, instances: dict[str, int]) -> float:
         return sum(getattr(self, tier) * n for tier, n in instances.items())
+
+
+@dataclass(frozen=True)
+class Target:
+    """An OpenAI-compatible server pdd did not start (a peer such as vLLM, or a pdd already running),
+    measured by the same client with the same metric definitions."""
+
+    name: str  # how the report names it, in the place of a mode
+    url: str  # its API root, e.g. http://127.0.0.1:8100 (without /v1)
+    model: str | None = None  # the `model` field its requests carry; None: left out (the server's default)
 
 
 @dataclass(frozen=True)
@@ -119,3 +130,4 @@ class BenchConfig:
     agentic: AgenticOptions = field(default_factory=AgenticOptions)
     mooncake: MooncakeOptions = field(default_factory=MooncakeOptions)
     synthetic: SyntheticOptions = field(default_factory=SyntheticOptions)
+    targets: tuple[Target, ...] = ()  # replayed after the modes, each as it is

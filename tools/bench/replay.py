@@ -76,11 +76,13 @@ def _record_result(rec: RequestRecord, result: StreamResult, e2e_s: float) -> No
 class Replayer:
     """Sends one workload; `histories` holds each session's prompt plus answers so far."""
 
-    def __init__(self, session: aiohttp.ClientSession, api_url: str, pdd_fields: dict[str, object],
-                 load: LoadOptions, on_done: Callable[[RequestRecord], None] = lambda rec: None) -> None:
+    def __init__(self, session: aiohttp.ClientSession, api_url: str, pdd_fields: dict[str, object] | None,
+                 load: LoadOptions, on_done: Callable[[RequestRecord], None] = lambda rec: None,
+                 model: str | None = None) -> None:
         self.session = session
         self.api_url = api_url
-        self.pdd_fields = pdd_fields
+        self.pdd_fields = pdd_fields  # None: a server that is not pdd; requests carry no `pdd` object
+        self.model = model
         self.load = load
         self.on_done = on_done
         self.histories: dict[int, list[int]] = {}
@@ -96,8 +98,12 @@ class Replayer:
         rec = RequestRecord(req.index, req.session, req.arrival_s, sent_s=time.monotonic() - t0,
                             prompt_tokens=len(prompt), planned_hit_tokens=req.planned_hit_tokens,
                             max_tokens=req.max_tokens)
-        body = {"prompt": prompt, "max_tokens": req.max_tokens, "temperature": 0, "ignore_eos": True,
-                "pdd": dict(self.pdd_fields)}
+        body: dict[str, object] = {"prompt": prompt, "max_tokens": req.max_tokens, "temperature": 0,
+                                   "ignore_eos": True}
+        if self.pdd_fields is not None:
+            body["pdd"] = dict(self.pdd_fields)
+        if self.model is not None:
+            body["model"] = self.model
         answer: list[int] = []
         sent = time.monotonic()
         try:

@@ -15,11 +15,12 @@ import aiohttp
 from tqdm import tqdm
 
 from tools.bench import metrics
-from tools.bench.config import BenchConfig
+from tools.bench.config import BenchConfig, Target
 from tools.bench.modes import MODES, Mode, pipeline_of, request_fields, stack_config, unavailable_reason
 from tools.bench.replay import Replayer, RequestRecord, warmup_requests
 from tools.bench.workloads import Workload, agentic_workload, mooncake_workload, synthetic_workload
-from tools.launcher import MD_KV_ROUTE, LocalStack, StackConfig
+from tools.launcher import LocalStack
+from tools.stack_config import MD_KV_ROUTE, StackConfig
 from shared.models import DTYPES, kv_layout
 
 log = logging.getLogger(__name__)
@@ -134,8 +135,40 @@ async def _run_workload(stack: LocalStack, session: aiohttp.ClientSession, mode:
     return RunResult(mode.name, workload, records, duration_s, summary)
 
 
+async def run_target(target: Target, workloads: list[Workload], cfg: BenchConfig,
+                     on_result: Callable[[RunResult], None] = lambda r: None) -> list[RunResult]:
+    """Replay each workload against a server pdd did not start, with the same client and metrics.
+
+    Its requests carry no `pdd` object; TTFT and gaps are timed per chunk of text. A session's
+    next turn cannot append an answer whose token ids the server did not return, so multi-turn
+    workloads are not comparable against a target: use the synthetic one."""
+    results = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as session:
+        for workload in workloads:
+            n = min(len(workload.requests), cfg.load.max_requests)
+            bar = tqdm(total=n, desc=f"{target.name} {workload.name}", unit="req", disable=not cfg.load.progress)
+            replayer = Replayer(session, target.url, None, cfg.load, on_done=lambda rec: bar.update(),
+                                model=target.model)
+            try:
+                warm = await replayer.warm_up(warmup_requests(workload, cfg.load.warmup_requests))
+                if failed := [r.error for r in warm if not r.ok]:
+                    log.warning("%s %s: %d warm-up requests failed, first: %s", target.name, workload.name,
+                                len(failed), failed[0])
+                records, duration_s = await replayer.run(workload.requests)
+            finally:
+                bar.close()
+            summary = metrics.summarize(records, duration_s, slo=cfg.slo, costs=cfg.costs, instances={"target": 1},
+                                        kv_bytes_per_token=0)
+            result = RunResult(target.name, workload, records, duration_s, summary,
+                               {"target": target.name, "url": target.url, "model": target.model or cfg.stack.model})
+            on_result(result)
+            results.append(result)
+    return results
+
+
 async def run_bench(cfg: BenchConfig, on_result: Callable[[RunResult], None] = lambda r: None) -> list[RunResult]:
-    """Every available mode of cfg.modes over every workload; unavailable modes are left out."""
+    """Every available mode of cfg.modes over every workload (unavailable modes are left out), then
+    every target."""
     workloads = plan_workloads(cfg)
     skipped = skipped_modes(cfg)
     results: list[RunResult] = []
@@ -144,4 +177,6 @@ async def run_bench(cfg: BenchConfig, on_result: Callable[[RunResult], None] = l
             log.warning("mode %s skipped: %s", name, skipped[name])
             continue
         results += await run_mode(MODES[name], workloads, cfg, on_result)
+    for target in cfg.targets:
+        results += await run_target(target, workloads, cfg, on_result)
     return results
