@@ -1,7 +1,7 @@
 """What every pdd service does the same way: logging, signals, heartbeats, ordered shutdown.
 
 A service object has `async start()`, `async stop()` and a `heartbeat()` that describes it;
-`run_service` starts it, waits for SIGINT/SIGTERM (signals only set an Event; a second one
+`serve` sets up logging and tracing and runs it; `run_service` starts it, waits for SIGINT/SIGTERM (signals only set an Event; a second one
 forces exit), then stops it within a deadline.
 """
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import Protocol
 
 from nats.aio.client import Client as NATS
 
-from shared import bus, messages, subjects
+from shared import bus, messages, subjects, tracing
+from shared.config import CommonConfig
 from shared.messages import Heartbeat
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,13 @@ async def heartbeat_loop(nc: NATS, role: str, interval_s: float, describe: Calla
 
 def now() -> float:
     return time.time()
+
+
+def serve(name: str, common: CommonConfig, make_service: Callable[[], Service]) -> None:
+    """A service's whole life as its __main__ runs it: logging and tracing set up, then run_service."""
+    setup_logging(common.log_level, common.instance_id)
+    tracing.setup_tracing(f"pdd-{name}", common.instance_id, common.otlp_endpoint)
+    asyncio.run(run_service(make_service(), name))
 
 
 async def run_service(service: Service, name: str) -> None:
