@@ -7,9 +7,11 @@ import uuid
 import pytest
 import torch
 
-from services.prefill.job import IllegalMove, Phase, PrefillJob
+from services.prefill.job import Phase, PrefillJob
+from shared.lifecycle import IllegalMove
 from shared.messages import KVTarget, PrefillRequest
 from shared.names import Role
+
 
 def _job(prompt_tokens: int = 11, targets: list[KVTarget] | None = None) -> PrefillJob:
     return PrefillJob(PrefillRequest("req-" + uuid.uuid4().hex, list(range(prompt_tokens)), targets or [], 30.0))

@@ -26,6 +26,7 @@ from opentelemetry import trace
 from shared import subjects
 from shared.errors import DeadlineExceeded
 from shared.kv_transfer import KVInbox
+from shared.lifecycle import checked_move
 from shared.messages import DecodeAssign, Handoff, KVReady, MainLost
 from shared.model_runner import DecodeSequence
 
@@ -84,9 +85,7 @@ class DecodeRequest:
         return subjects.request_events(self.assign.request_id)
 
     def move(self, phase: Phase) -> None:
-        if phase not in _ALLOWED[self.phase]:
-            raise RuntimeError(f"{self.request_id}: illegal decoder phase move {self.phase.value} -> {phase.value}")
-        self.phase = phase
+        self.phase = checked_move(_ALLOWED, self.phase, phase, f"decoder request {self.request_id}")
 
     def time_left_s(self) -> float:
         """Until the request's deadline (never below 0)."""

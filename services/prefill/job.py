@@ -22,10 +22,11 @@ import torch
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from services.prefill.prefiller import slice_for_target
 from shared.kv_transfer import OutgoingTransfer
+from shared.lifecycle import checked_move
 from shared.messages import PrefillRequest
 from shared.radix_cache import PrefixHandle
-from services.prefill.prefiller import slice_for_target
 
 
 class Phase(enum.Enum):
@@ -45,10 +46,6 @@ _NEXT: dict[Phase, set[Phase]] = {
     Phase.FAILED: set(),
     Phase.ABORTED: set(),
 }
-
-
-class IllegalMove(RuntimeError):
-    """A job moved to a phase its lifecycle does not allow from where it is: a bug in P."""
 
 
 @dataclass(eq=False)
@@ -80,9 +77,7 @@ class PrefillJob:
         return not _NEXT[self.phase]
 
     def move(self, new: Phase) -> None:
-        if new not in _NEXT[self.phase]:
-            raise IllegalMove(f"prefill job {self.request_id}: {self.phase.value} -> {new.value}")
-        self.phase = new
+        self.phase = checked_move(_NEXT, self.phase, new, f"prefill job {self.request_id}")
 
     async def queue_kv(self, chunk: tuple[int, int], kv: torch.Tensor) -> None:
         """Queue the part of a chunk each decoder lacks (past its target's token_start) on its path."""

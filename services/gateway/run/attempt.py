@@ -21,6 +21,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from shared.lifecycle import checked_move
 from shared.messages import PrefillDone
 from shared.names import FailurePolicy, HandoffMode, Pipeline, Role
 from shared.sampling import SamplingParams
@@ -79,6 +80,4 @@ class Attempt:
         return self.request.request_id
 
     def move(self, phase: AttemptPhase) -> None:
-        if phase not in _MOVES[self.phase]:
-            raise RuntimeError(f"{self.request_id}: illegal attempt transition {self.phase.value} -> {phase.value}")
-        self.phase = phase
+        self.phase = checked_move(_MOVES, self.phase, phase, f"attempt {self.request_id}")

@@ -40,6 +40,7 @@ from shared.errors import (
     ProtocolError,
     RequestAborted,
 )
+from shared.lifecycle import checked_move
 from shared.messages import (
     Handoff,
     HandoffStats,
@@ -162,9 +163,7 @@ class RequestRun:
     # --- lifecycle ------------------------------------------------------------------------------
 
     def _move(self, phase: RunPhase) -> None:
-        if phase not in _RUN_MOVES[self.phase]:
-            raise RuntimeError(f"{self.request_id}: illegal run transition {self.phase.value} -> {phase.value}")
-        self.phase = phase
+        self.phase = checked_move(_RUN_MOVES, self.phase, phase, f"request {self.request_id}")
 
     def _failed(self, exc: PddError) -> PddError:
         """The run ends with `exc` (the caller raises it)."""
