@@ -5,6 +5,10 @@ events that let the gateway mirror its contents. It knows nothing of NATS, socke
 
 Threading: P and MD call it only from their asyncio loop thread (the engine thread is handed
 tensors, never the cache), so it takes no locks and must not be shared across threads.
+
+It is one module past 450 lines on purpose: insertion, lookup with locks, LRU eviction and the
+event mirror all keep the same node invariants (ref counts, block-aligned hashes), and split apart
+they would spread one contract over several files.
 """
 from __future__ import annotations
 

@@ -5,6 +5,9 @@ in-order jitter, a looping bandwidth trace), cuts (reset or blackhole, of every 
 and the byte counters. It knows nothing of what the bytes mean and must not buffer without bound:
 each connection holds at most a bandwidth-delay product plus slack, and beyond that the sender
 feels TCP backpressure.
+
+It is one module of about 700 lines on purpose: the line's shared budget, the per-connection
+pumps and the cut state act on the same queues and clocks, and must change together.
 """
 from __future__ import annotations
 
