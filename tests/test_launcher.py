@@ -155,6 +155,71 @@ async def test_pdd_up_prints_the_api_url_and_exits_0_on_sigterm_leaving_no_proce
                 os.killpg(pid, signal.SIGKILL)
 
 
+async def _start_pdd_up(log_dir: Path, *flags: str) -> tuple[asyncio.subprocess.Process, str, dict[str, int]]:
+    """`pdd up` with the tiny model as a child process: it, its API URL, and its services' pids."""
+    proc = await asyncio.create_subprocess_exec(
+        *_pdd_command(), "up", "--model", "tiny", "--port", "0", "--log-dir", str(log_dir), *flags,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+    assert proc.stdout is not None
+    output = ""
+    async with asyncio.timeout(STARTUP_TIMEOUT_S):
+        while not (match := re.search(r"OpenAI API at (http://\S+)/v1", output)):
+            line = await proc.stdout.readline()
+            assert line, "pdd up exited before it was ready:\n" + output
+            output += line.decode()
+    return proc, match.group(1), json.loads((log_dir / "stack.json").read_text())["pids"]
+
+
+async def _healthz(api_url: str) -> int:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        async with session.get(f"{api_url}/healthz") as resp:
+            return resp.status
+
+
+@pytest.mark.timeout(STARTUP_TIMEOUT_S + 60)
+async def test_pdd_up_reports_a_service_that_exits_and_stops_the_stack(tmp_path: Path) -> None:
+    proc, _, pids = await _start_pdd_up(tmp_path / "logs")
+    try:
+        os.killpg(pids["main"], signal.SIGKILL)
+        async with asyncio.timeout(30):  # noticed within a poll, then the ordered stop
+            rest, _ = await proc.communicate()
+        assert proc.returncode == 1
+        assert "main exited" in rest.decode() and "exited with code -9" in rest.decode(), rest.decode()
+        assert not [role for role, pid in pids.items() if process_alive(pid)], "no zombie, nothing left running"
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        for pid in pids.values():
+            if _group_alive(pid):
+                os.killpg(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(STARTUP_TIMEOUT_S * 2 + 60)
+async def test_pdd_up_restarts_a_service_that_exits_when_asked(tmp_path: Path) -> None:
+    log_dir = tmp_path / "logs"
+    proc, api_url, pids = await _start_pdd_up(log_dir, "--on-child-exit", "restart")
+    try:
+        os.killpg(pids["relay"], signal.SIGKILL)
+        async with asyncio.timeout(STARTUP_TIMEOUT_S):  # a new relay, under a new pid, announces itself
+            while (new := json.loads((log_dir / "stack.json").read_text())["pids"]["relay"]) == pids["relay"] \
+                    or await _healthz(api_url) != 200:
+                await asyncio.sleep(0.5)
+        assert process_alive(new) and proc.returncode is None
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(60):
+            await proc.communicate()
+        assert proc.returncode == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        for pid in json.loads((log_dir / "stack.json").read_text())["pids"].values() \
+                if (log_dir / "stack.json").exists() else pids.values():
+            if _group_alive(pid):
+                os.killpg(pid, signal.SIGKILL)
+
+
 @pytest.fixture(scope="module")
 async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalStack]:
     async with LocalStack(_tiny(tmp_path_factory.mktemp("stack"))) as running:

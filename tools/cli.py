@@ -84,7 +84,7 @@ async def run_with_stack(config: StackConfig, body: Callable[[LocalStack, asynci
             await stack.stop()
 
 
-async def _serve(stack: LocalStack, stop: asyncio.Event) -> int:
+async def _serve(stack: LocalStack, stop: asyncio.Event, on_child_exit: str = "stop") -> int:
     print(f"pdd: ready. OpenAI API at {stack.api_url}/v1 (health: {stack.api_url}/healthz)", flush=True)
     print(f"pdd: try  curl -N {stack.api_url}/v1/chat/completions -H 'content-type: application/json' "
           "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"stream\": true}'", flush=True)
@@ -95,12 +95,18 @@ async def _serve(stack: LocalStack, stop: asyncio.Event) -> int:
               f"{f', ±{c.wan_jitter_ms:g} ms' if c.wan_jitter_ms else ''}); control API at {stack.wan_control_url} "
               f"(GET /stats, POST /cut?mode=reset|blackhole[&routes=kv,...], /restore, /link)", flush=True)
     print("pdd: Ctrl-C stops the stack", flush=True)
-    await stop.wait()
-    return 0
+    exited = await until_stopped(stack.watch(restart=on_child_exit == "restart"), stop)
+    if exited is None:
+        return 0
+    print(f"pdd: {exited} exited (see {stack.log_paths[exited]}); stopping the stack", file=sys.stderr, flush=True)
+    return 1
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    return asyncio.run(run_with_stack(StackConfig.from_namespace(args), _serve))
+    async def serve(stack: LocalStack, stop: asyncio.Event) -> int:
+        return await _serve(stack, stop, args.on_child_exit)
+
+    return asyncio.run(run_with_stack(StackConfig.from_namespace(args), serve))
 
 
 def _demo_options(args: argparse.Namespace) -> DemoOptions:
@@ -155,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="start a local stack and serve until Ctrl-C")
     StackConfig.add_arguments(up)
+    up.add_argument("--on-child-exit", choices=("stop", "restart"), default="stop",
+                    help="when a service exits by itself: log it and stop the stack with exit code 1 (default), "
+                         "or log it and start it again (at most 3 times per service)")
     up.set_defaults(func=cmd_up)
 
     demo = commands.add_parser("demo", help="start a stack, stream one answer marked by tier, stop")

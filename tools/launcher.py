@@ -331,6 +331,25 @@ class LocalStack:
         self._write_state()
         return new
 
+    async def watch(self, restart: bool, max_restarts: int = 3, poll_s: float = 0.5) -> str:
+        """Reap children as they exit and say so in the log; with `restart`, start one again (its log
+        appended), up to `max_restarts` times per role. Returns the role that ended the watch: one
+        that exited without a restart (or past its restarts). `pdd up` runs this; tests that kill
+        roles on purpose do not."""
+        restarts: dict[str, int] = {}
+        while True:
+            for role, proc in list(self.processes.items()):
+                if self._stopped or proc.poll() is None:
+                    continue
+                log.error("%s (pid %d) exited with code %s; tail of %s:\n%s", role, proc.pid, proc.returncode,
+                          self.log_paths[role], log_tail(self.log_paths[role], 1500))
+                if not restart or restarts.get(role, 0) >= max_restarts:
+                    return role
+                restarts[role] = restarts.get(role, 0) + 1
+                log.warning("restarting %s (%d of %d)", role, restarts[role], max_restarts)
+                await self.restart(role)
+            await asyncio.sleep(poll_s)
+
     def kill_all(self, reap_timeout_s: float = 2.0) -> None:
         """SIGKILL every process group at once and reap them; for a forced exit (second Ctrl-C)."""
         for proc in self.processes.values():
