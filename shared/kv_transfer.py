@@ -6,14 +6,23 @@ the sender (`KVSender`) keeps one handshaken connection per decoder address, and
 `OutgoingTransfer` streams one request's chunks to one decoder through a queue. While a transfer
 has nothing to send (its chunks still wait for P's engine) its sender writes a KEEPALIVE every
 `keepalive_s`, so the receiver's stall deadline measures the link and P's liveness, never P's
-queue. Frames for a request the receiver does not expect (late, duplicate, aborted) are read and
-dropped.
+queue. Progress is counted per connection on both sides: bytes arriving on a connection move
+every request it carries, and bytes leaving it move the frame P is writing, so frames queued
+behind other requests' frames on a busy link wait, they do not stall. Frames for a request the
+receiver does not expect (late, duplicate, aborted) are read and dropped.
+
+It is one module past 450 lines on purpose: both sides share the transfer states, the handshake and
+the progress rule (a connection's bytes are progress for every request it carries), which change
+together; split apart, each half would only make sense with the other open beside it.
 """
 from __future__ import annotations
 
 import asyncio
 import enum
+import fcntl
 import logging
+import struct
+import termios
 import time
 from dataclasses import dataclass
 
@@ -29,9 +38,10 @@ log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
 MAX_FRAME_BYTES = 2 * 1024 * 1024
-PROGRESS_READ_BYTES = 256 * 1024  # a receiver notes progress this often inside one frame
+PROGRESS_READ_BYTES = 256 * 1024  # the most a receiver reads at once inside one frame
 KEEPALIVE_MAX_S = 1.0  # an idle transfer speaks at least this often, whatever the stall timeout
 ABORT_FRAME_TIMEOUT_S = 1.0
+_TIOCOUTQ = getattr(termios, "TIOCOUTQ", None)  # a socket's unsent + unacknowledged bytes (Linux)
 
 
 class TransferState(enum.Enum):
@@ -79,6 +89,23 @@ async def read_message(reader: asyncio.StreamReader) -> dict:
 
 # --- receiving side (RLD, MD) ---------------------------------------------------------------
 
+class InboundLink:
+    """One sender connection as the receiver sees it: when bytes last arrived on it.
+
+    The requests whose frames it carries share its progress: on a busy link a request's next frame
+    may queue behind many of other requests', and the link moving is what says it is not stalled.
+    """
+
+    def __init__(self, peer: str) -> None:
+        self.peer = peer
+        self.bytes_received = 0
+        self.last_bytes_at = time.monotonic()
+
+    def saw_bytes(self, count: int) -> None:
+        self.bytes_received += count
+        self.last_bytes_at = time.monotonic()
+
+
 class KVInbox(_StateMachine):
     """One request's KV arriving at a decoder: tokens [token_start, token_end) of every layer."""
 
@@ -96,7 +123,7 @@ class KVInbox(_StateMachine):
         self.bytes_received = 0
         self.keepalives = 0
         self.first_frame_at: float | None = None
-        self.last_progress_at: float | None = None  # a frame, part of one, or a KEEPALIVE arrived
+        self._links: set[InboundLink] = set()  # every connection that carried a frame of this request
         self.done_at: float | None = None
         self.error: PddError | None = None
         self._ended = asyncio.Event()
@@ -117,7 +144,6 @@ class KVInbox(_StateMachine):
             self._move(TransferState.TRANSFERRING)
             self.first_frame_at = time.monotonic()
         self._seen.add(key)
-        self.last_progress_at = time.monotonic()
         t0, t1 = header.token_start - self.token_start, header.token_end - self.token_start
         self.kv[header.layer_start:header.layer_end, :, :, t0:t1].copy_(kv)
         self._cells_filled += (header.layer_end - header.layer_start) * (t1 - t0)
@@ -125,14 +151,18 @@ class KVInbox(_StateMachine):
         if self._cells_filled >= self._cells_needed:
             self._finish()
 
-    def saw_bytes(self) -> None:
-        """Part of a frame arrived: on a slow link one 2 MiB frame takes seconds, and that is progress."""
-        self.last_progress_at = time.monotonic()
+    def heard_on(self, link: InboundLink) -> None:
+        """A frame for this request arrived on `link`: from now on its bytes are this transfer's progress."""
+        self._links.add(link)
+
+    @property
+    def last_progress_at(self) -> float | None:
+        """When bytes last arrived on a connection that carries this request (None before P's first word)."""
+        return max((link.last_bytes_at for link in self._links), default=None)
 
     def keepalive(self) -> None:
         """The sender still holds the request (its KV waits for P's engine) and the link works."""
         self.keepalives += 1
-        self.saw_bytes()
 
     def _finish(self) -> None:
         self._move(TransferState.DONE)
@@ -155,9 +185,11 @@ class KVInbox(_StateMachine):
         """The complete KV [layers, 2, kv_heads, tokens, head_dim], or the transfer's error.
 
         Two deadlines: the whole transfer within `timeout_s`, and once the sender has spoken (KV
-        bytes or a KEEPALIVE), no silence longer than `stall_timeout_s` (a cut or stuck link, or a
-        dead sender, shows up as a stall). Before the sender's first word the request is waiting
-        (the sender has not opened its transfer yet), and only `timeout_s` bounds that.
+        bytes or a KEEPALIVE), no silence longer than `stall_timeout_s` on the connections that
+        carry the request (a cut or stuck link, or a dead sender, shows up as a stall; frames of
+        other requests ahead of this one's on a busy link do not). Before the sender's first word
+        the request is waiting (the sender has not opened its transfer yet), and only `timeout_s`
+        bounds that.
         """
         deadline = time.monotonic() + timeout_s
         while not self.ended:
@@ -167,11 +199,12 @@ class KVInbox(_StateMachine):
                 break
             wait_s = deadline - now
             if stall_timeout_s is not None:
-                if self.last_progress_at is not None and now - self.last_progress_at >= stall_timeout_s:
-                    self.fail(DeadlineExceeded(
-                        f"KV for {self.request_id} stalled: no frame for {stall_timeout_s:.1f}s"))
+                progress_at = self.last_progress_at
+                if progress_at is not None and now - progress_at >= stall_timeout_s:
+                    self.fail(DeadlineExceeded(f"KV for {self.request_id} stalled: no frame for "
+                                               f"{stall_timeout_s:.1f}s on its connection"))
                     break
-                since = self.last_progress_at if self.last_progress_at is not None else now
+                since = progress_at if progress_at is not None else now
                 wait_s = min(wait_s, since + stall_timeout_s - now)
             try:
                 async with asyncio.timeout(wait_s):
@@ -232,8 +265,9 @@ class KVReceiver:
         self._handlers.add(asyncio.current_task())
         try:
             await self._handshake(reader, writer)
+            link = InboundLink(f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer))
             while True:
-                await self._read_frame(reader)
+                await self._read_frame(reader, link)
         except asyncio.IncompleteReadError:
             log.debug("KV peer %s closed", peer)
         except (ProtocolError, IncompatiblePeer, TimeoutError) as exc:
@@ -263,10 +297,13 @@ class KVReceiver:
                                                "auth": kv_wire.proof(self.secret, str(msg.get("nonce")), "receiver")}))
             await writer.drain()
 
-    async def _read_frame(self, reader: asyncio.StreamReader) -> None:
+    async def _read_frame(self, reader: asyncio.StreamReader, link: InboundLink) -> None:
         header = kv_wire.unpack_header(await reader.readexactly(kv_wire.FRAME_HEADER.size))
+        link.saw_bytes(kv_wire.FRAME_HEADER.size)
         inbox = self.inboxes.get(header.request_id)
-        payload = await _read_payload(reader, header.payload_len, inbox)
+        if inbox is not None and not inbox.ended:
+            inbox.heard_on(link)
+        payload = await _read_payload(reader, header.payload_len, link)
         if header.kind is kv_wire.FrameKind.KEEPALIVE:
             if inbox is not None:
                 inbox.keepalive()
@@ -284,17 +321,20 @@ class KVReceiver:
                 raise
 
 
-async def _read_payload(reader: asyncio.StreamReader, length: int, inbox: KVInbox | None) -> bytes:
-    """A frame's payload, read in slices that each tell its inbox the transfer is moving."""
-    parts = []
-    left = length
-    while left:
-        part = await reader.readexactly(min(left, PROGRESS_READ_BYTES))
-        parts.append(part)
-        left -= len(part)
-        if inbox is not None:
-            inbox.saw_bytes()
-    return b"".join(parts)
+async def _read_payload(reader: asyncio.StreamReader, length: int, link: InboundLink) -> bytearray:
+    """A frame's payload, taken as it arrives: on a slow link one 2 MiB frame takes seconds, and
+    each piece tells the link (and every request it carries) that it is moving."""
+    payload = bytearray(length)
+    got = 0
+    with memoryview(payload) as view:
+        while got < length:
+            part = await reader.read(min(length - got, PROGRESS_READ_BYTES))
+            if not part:
+                raise asyncio.IncompleteReadError(bytes(view[:got]), length)
+            view[got:got + len(part)] = part
+            got += len(part)
+            link.saw_bytes(len(part))
+    return payload
 
 
 # --- sending side (P) -----------------------------------------------------------------------
@@ -312,13 +352,56 @@ class KVConnection:
         return self.writer.is_closing() or self.reader.at_eof()
 
     async def write(self, *parts: bytes | memoryview, stall_timeout_s: float | None = None) -> None:
-        """Write one frame whole. `stall_timeout_s` bounds the link taking it, not the wait for the
-        connection: frames of other requests ahead of it are a queue, not a stall."""
+        """Write one frame whole. `stall_timeout_s` bounds the link's silence while it takes the
+        frame (TimeoutError when no byte left for that long), not the frame's whole time on a slow
+        link, nor its wait for the connection: frames of other requests ahead of it are a queue."""
         async with self.lock:
-            async with asyncio.timeout(stall_timeout_s):
-                for part in parts:
-                    self.writer.write(part)
-                await self.writer.drain()
+            if self.closed:
+                raise PeerGone("KV connection closed")
+            for part in parts:
+                self.writer.write(part)
+            await self._drain(stall_timeout_s)
+
+    def bytes_owed(self) -> int:
+        """Bytes written but not yet taken by the peer: asyncio's buffer, plus the kernel's send
+        queue where the OS tells it (Linux: unsent and unacknowledged), so progress shows as the
+        peer acknowledges, not only when the kernel's (possibly megabytes of) buffer frees up."""
+        owed = self.writer.transport.get_write_buffer_size()
+        sock = self.writer.get_extra_info("socket")
+        if _TIOCOUTQ is not None and sock is not None:
+            try:
+                owed += struct.unpack("i", fcntl.ioctl(sock.fileno(), _TIOCOUTQ, b"\0\0\0\0"))[0]
+            except OSError:
+                pass
+        return owed
+
+    async def _drain(self, stall_timeout_s: float | None) -> None:
+        """`drain`, failing only when no byte has left for `stall_timeout_s`: a slow link that
+        takes seconds for a frame is moving; a cut one is not."""
+        if stall_timeout_s is None:
+            await self.writer.drain()
+            return
+        drained = asyncio.ensure_future(self.writer.drain())
+        try:
+            owed = self.bytes_owed()
+            moved_at = time.monotonic()
+            while True:
+                now = time.monotonic()
+                if now - moved_at >= stall_timeout_s:
+                    raise TimeoutError(f"no KV byte left in {stall_timeout_s:.1f}s")
+                poll_s = min(stall_timeout_s / 4, moved_at + stall_timeout_s - now)
+                done, _ = await asyncio.wait({drained}, timeout=poll_s)
+                if done:
+                    drained.result()
+                    return
+                if (now_owed := self.bytes_owed()) < owed:
+                    moved_at = time.monotonic()
+                owed = now_owed
+        finally:
+            if not drained.done():
+                drained.cancel()
+            elif not drained.cancelled():
+                drained.exception()  # retrieved: raised above, or superseded by the stall
 
     def close(self) -> None:
         self.writer.close()
@@ -559,7 +642,7 @@ class OutgoingTransfer(_StateMachine):
         try:
             await conn.write(*parts, stall_timeout_s=self.sender.stall_timeout_s)
         except TimeoutError as exc:
-            raise PeerGone(f"KV link stalled: a frame took over {self.sender.stall_timeout_s:.1f}s") from exc
+            raise PeerGone(f"KV link stalled: no byte left for {self.sender.stall_timeout_s:.1f}s") from exc
 
     def _fail(self, reason: str) -> None:
         if not self.ended:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 import uuid
 from typing import Self
 
@@ -201,35 +203,67 @@ async def test_a_sender_with_a_secret_refuses_an_unauthenticated_receiver(receiv
         await sender.connection("127.0.0.1", receiver.port)
 
 
-class CuttableLink:
-    """A TCP relay to a receiver that can go silent, like a cut WAN link that drops packets."""
+MIB = 1024 * 1024
 
-    def __init__(self, port: int) -> None:
+
+class LoopbackLink:
+    """A TCP relay to a receiver, like a WAN link: `bytes_per_s` caps what crosses from the sender,
+    and `cut()` silences it like a cut link that drops packets (nothing crosses, nothing is read,
+    so TCP's backpressure reaches the sender). Small socket buffers keep the sender's writes
+    paced by the link, not absorbed by loopback's megabytes of buffer."""
+
+    PIECE_BYTES = 16 * 1024
+
+    def __init__(self, port: int, bytes_per_s: float | None = None) -> None:
         self.port = port
-        self.cut = False
+        self.bytes_per_s = bytes_per_s
+        self._open = asyncio.Event()
+        self._open.set()
         self._writers: set[asyncio.StreamWriter] = set()
+        self._relays: set[asyncio.Task] = set()
+
+    def cut(self) -> None:
+        self._open.clear()
 
     async def __aenter__(self) -> Self:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)  # accepted sockets inherit it
+        sock.bind(("127.0.0.1", 0))
+        self._server = await asyncio.start_server(self._serve, sock=sock)
         self.listen_port = self._server.sockets[0].getsockname()[1]
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         self._server.close()
         for writer in self._writers:
-            writer.close()
+            writer.transport.abort()
+        for relay in self._relays:
+            relay.cancel()
+        await asyncio.gather(*self._relays, return_exceptions=True)
         await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
-        self._writers |= {writer, up_writer}
-        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True)
+        self._writers.add(up_writer)
+        relays = {asyncio.create_task(self._pipe(reader, up_writer, self.bytes_per_s)),
+                  asyncio.create_task(self._pipe(up_reader, writer, None))}
+        self._relays |= relays
+        await asyncio.gather(*relays, return_exceptions=True)
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while data := await reader.read(65536):
-            if not self.cut:
-                writer.write(data)
-                await writer.drain()
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    bytes_per_s: float | None) -> None:
+        while True:
+            await self._open.wait()
+            data = await reader.read(self.PIECE_BYTES)
+            if not data:
+                return
+            if not self._open.is_set():
+                continue  # read as the link was cut: lost
+            writer.write(data)
+            await writer.drain()
+            if bytes_per_s:
+                await asyncio.sleep(len(data) / bytes_per_s)
 
 
 STALL_S = 0.3
@@ -260,12 +294,12 @@ async def test_a_link_that_goes_silent_mid_stream_fails_on_the_stall_deadline(re
     sender = KVSender(LAYOUT, torch.float32, 2.0, stall_timeout_s=STALL_S)
     rid = _rid()
     inbox = receiver.expect(rid, 0, 8)
-    async with CuttableLink(receiver.port) as link:
+    async with LoopbackLink(receiver.port) as link:
         transfer = OutgoingTransfer(sender, KVTarget(Role.MAIN, "127.0.0.1", link.listen_port), rid, 0, deadline_s=30)
         await transfer.put(0, torch.randn(4, 2, 2, 4, 16))
         while inbox.state is TransferState.WAITING:
             await asyncio.sleep(0.01)
-        link.cut = True
+        link.cut()
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         with pytest.raises(DeadlineExceeded, match="stalled"):
@@ -301,3 +335,87 @@ async def test_a_frame_waiting_behind_other_requests_frames_is_not_a_stall(recei
     assert result.state is TransferState.DONE
     assert torch.equal(await inbox.wait(5, stall_timeout_s=STALL_S), kv)
     await sender.close()
+
+
+async def test_requests_queued_behind_each_other_on_one_slow_connection_all_complete(receiver: KVReceiver) -> None:
+    """Four transfers share one connection over a 2 MiB/s link, each with a 1 MiB frame: the last
+    one's frame waits a second or more (over three stall deadlines) behind the others' without a
+    word of its own. The connection moves the whole time, so neither side calls that a stall."""
+    sender = KVSender(LAYOUT, torch.float32, 2.0, stall_timeout_s=STALL_S)
+    kvs = [torch.randn(4, 2, 2, 1024, 16) for _ in range(4)]  # 1 KiB per token: 1 MiB, one frame each
+    rids = [_rid() for _ in kvs]
+    inboxes = [receiver.expect(rid, 0, 1024) for rid in rids]
+    waits = [asyncio.create_task(inbox.wait(30, stall_timeout_s=STALL_S)) for inbox in inboxes]
+    async with LoopbackLink(receiver.port, bytes_per_s=2 * MIB) as link:
+        transfers = [OutgoingTransfer(sender, KVTarget(Role.MAIN, "127.0.0.1", link.listen_port), rid, 0, deadline_s=30)
+                     for rid in rids]
+        while any(inbox.keepalives == 0 for inbox in inboxes):  # P has spoken for every request: stall clocks run
+            await asyncio.sleep(0.01)
+        sent_at = time.monotonic()
+        for transfer, kv in zip(transfers, kvs):
+            await transfer.put(0, kv)
+        results = [await transfer.finish() for transfer in transfers]
+        got = await asyncio.gather(*waits, return_exceptions=True)
+        connections = sender.open_connections
+    assert [result.state for result in results] == [TransferState.DONE] * 4, [result.error for result in results]
+    assert all(isinstance(arrived, torch.Tensor) for arrived in got), [a for a in got if isinstance(a, Exception)]
+    assert all(torch.equal(arrived, kv) for kv, arrived in zip(kvs, got))
+    assert connections == 1
+    assert max(inbox.first_frame_at for inbox in inboxes) - sent_at > 3 * STALL_S  # it did wait that long
+    await sender.close()
+
+
+async def test_a_silent_connection_fails_every_request_it_carries_on_both_sides(receiver: KVReceiver) -> None:
+    """A cut link stops the request streaming on it and the one only keeping alive on it, each on
+    the stall deadline; P's write stalls too (nothing leaves), and P fails both transfers."""
+    sender = KVSender(LAYOUT, torch.float32, 2.0, stall_timeout_s=STALL_S)
+    streaming, idle = _rid(), _rid()
+    inboxes = [receiver.expect(streaming, 0, 8192), receiver.expect(idle, 0, 8)]
+    async with LoopbackLink(receiver.port, bytes_per_s=2 * MIB) as link:
+        transfers = [OutgoingTransfer(sender, KVTarget(Role.MAIN, "127.0.0.1", link.listen_port), rid, 0, deadline_s=30)
+                     for rid in (streaming, idle)]
+        kv = torch.randn(4, 2, 2, 8192, 16)  # 8 MiB in 512 KiB frames: more than the socket buffers hold
+        for start in range(0, 8192, 512):
+            await transfers[0].put(start, kv[:, :, :, start:start + 512])
+        while inboxes[0].state is TransferState.WAITING or inboxes[1].keepalives == 0:
+            await asyncio.sleep(0.01)
+        link.cut()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        for inbox in inboxes:
+            with pytest.raises(DeadlineExceeded, match="stalled"):
+                await inbox.wait(30, stall_timeout_s=STALL_S)
+        assert loop.time() - t0 < 5 * STALL_S
+        async with asyncio.timeout(10):
+            results = [await transfer.finish() for transfer in transfers]
+        assert [result.state for result in results] == [TransferState.FAILED] * 2
+        assert "stalled" in results[0].error, results[0].error
+        await sender.close()
+
+
+async def test_a_silent_connection_stalls_its_requests_while_another_connection_moves(receiver: KVReceiver) -> None:
+    """Progress belongs to the connection, not the decoder: bytes from another P do not keep alive
+    a request whose own connection is cut."""
+    cut_sender = KVSender(LAYOUT, torch.float32, 2.0, stall_timeout_s=STALL_S)
+    live_sender = KVSender(LAYOUT, torch.float32, 2.0, stall_timeout_s=STALL_S)
+    cut_rid, live_rid = _rid(), _rid()
+    cut_inbox, live_inbox = receiver.expect(cut_rid, 0, 8), receiver.expect(live_rid, 0, 8)
+    live = OutgoingTransfer(live_sender, KVTarget(Role.MAIN, "127.0.0.1", receiver.port), live_rid, 0, deadline_s=30)
+    async with LoopbackLink(receiver.port) as link:
+        cut = OutgoingTransfer(cut_sender, KVTarget(Role.MAIN, "127.0.0.1", link.listen_port), cut_rid, 0,
+                               deadline_s=30)
+        while cut_inbox.keepalives == 0 or live_inbox.keepalives == 0:
+            await asyncio.sleep(0.01)
+        link.cut()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(DeadlineExceeded, match="stalled"):
+            await cut_inbox.wait(30, stall_timeout_s=STALL_S)
+        assert loop.time() - t0 < 5 * STALL_S
+        kv = torch.randn(4, 2, 2, 8, 16)
+        await live.put(0, kv)
+        assert (await live.finish()).state is TransferState.DONE
+        assert torch.equal(await live_inbox.wait(5, stall_timeout_s=STALL_S), kv)
+        cut.abort("test over")
+        await cut_sender.close()
+    await live_sender.close()
