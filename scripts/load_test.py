@@ -47,7 +47,8 @@ async def one(http: aiohttp.ClientSession, url: str, rng: random.Random, max_tok
 async def run(args: argparse.Namespace) -> list[dict]:
     config = StackConfig(model=args.model, port=0, log_dir=Path(tempfile.mkdtemp(prefix="pdd-load-")),
                          torch_threads=1, startup_timeout_s=300,
-                         extra_args={"gateway": ["--max-running-requests", str(args.max_running)]})
+                         extra_args={"gateway": ["--max-running-requests", str(args.max_running),
+                                                 "--max-queued-requests", "0"]})  # refusals, not a queue
     rows = []
     rng = random.Random(0)
     async with LocalStack(config) as stack, \

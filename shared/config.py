@@ -332,7 +332,10 @@ class GatewayConfig:
     decode_step_s_guess: float = flag(0.05, "one decode step on MD, to turn its queue into a wait")
     route_load_penalty_tokens: int = flag(256, "cache-aware MD routing: one running request costs as much as this "
                                                "many hit tokens")
-    max_running_requests: int = flag(64, "requests in flight before new ones get 429 with Retry-After (0: no limit)")
+    max_running_requests: int = flag(64, "requests in flight before new ones queue (0: no limit)")
+    max_queued_requests: int = flag(256, "requests that wait, first come first served and each until its deadline, "
+                                         "for one in flight to end; past them, 429 with Retry-After (0: refuse at "
+                                         "once)")
     api_key_file: str = flag("", "file holding the API key clients must send as a Bearer token; empty: open")
     failure_policy: str = flag(FailurePolicy.RECOVER.value,
                                "when a tier is lost mid-request: recover (RLD finishes, MD takes over, or the request "

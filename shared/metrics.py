@@ -71,7 +71,15 @@ class GatewayMetrics(_RoleMetrics):
             ["mode"], buckets=TOKEN_GAP_BUCKETS_S, registry=r)
         self.recoveries = Counter("pdd_recoveries", "Requests kept alive after losing a tier, by what was done "
                                   "(finish_on_relay, main_takes_over, migrate)", ["action"], registry=r)
-        self.live_instances = Gauge("pdd_live_instances", "Instances with fresh heartbeats", ["role"], registry=r)
+        self.live_instances = Gauge("pdd_live_instances", "Instances heard from lately (heartbeats or answered "
+                                    "pings)", ["role"], registry=r)
+        self.tier_losses = Counter("pdd_tier_losses", "Tiers a request lost, by how: gone (the instance stopped "
+                                   "answering) or failed (it reported the request failed)", ["tier", "cause"],
+                                   registry=r)
+        self.instances_gone = Counter("pdd_instances_gone", "Instances found dead: a liveness ping nobody was "
+                                      "there to answer", ["role"], registry=r)
+        self.queued_requests = Gauge("pdd_gateway_queued_requests", "API requests waiting at admission for one "
+                                     "of --max-running-requests to end (at most --max-queued-requests)", registry=r)
 
 
 class PrefillMetrics(_RoleMetrics):

@@ -51,6 +51,16 @@ def request_events(request_id: str) -> str:
     return f"{PREFIX}.req.{request_id}"
 
 
+def request_events_all() -> str:
+    """The gateway's one subscription to every request's events, made at its start."""
+    return f"{PREFIX}.req.*"
+
+
+def request_id_of_events(subject: str) -> str:
+    """The request whose events subject this is (the inverse of request_events)."""
+    return subject.removeprefix(f"{PREFIX}.req.")
+
+
 def cache_events(main_instance_id: str) -> str:
     """MD publishes its DRC's stored/evicted events here (CacheEvents)."""
     return f"{PREFIX}.cache.{main_instance_id}"

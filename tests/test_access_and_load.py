@@ -28,7 +28,8 @@ async def stack(tmp_path_factory):
                          pipeline="p-rld-md", startup_timeout_s=120,
                          extra_args={"prefill": kv, "relay": kv, "main": kv,
                                      "gateway": ["--api-key-file", str(secrets_dir / "api"),
-                                                 "--max-running-requests", str(MAX_RUNNING)]})
+                                                 "--max-running-requests", str(MAX_RUNNING),
+                                                 "--max-queued-requests", "0"]})  # refuse at once
     async with LocalStack(config) as running:
         yield running
 

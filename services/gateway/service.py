@@ -54,10 +54,14 @@ class GatewayService:
         self.max_context_tokens = max_context_tokens(path)
         self.cache_index = MainCacheIndex()
         self.registry = InstanceRegistry(stale_after_s=STALE_HEARTBEATS * config.common.heartbeat_s,
-                                         on_gone=self.cache_index.forget)
+                                         on_gone=self._on_gone)
         self.metrics = GatewayMetrics()
         for role in Role:
             self.metrics.live_instances.labels(role).set_function(lambda role=role: len(self.registry.alive(role)))
+        api_key = read_secret(config.api_key_file)
+        self.admission = Admission(config.max_running_requests, config.max_queued_requests,
+                                   api_key.decode() if api_key else None)
+        self.metrics.queued_requests.set_function(lambda: self.admission.queued)
         self.trace_store = TraceStore(config.trace_store_traces)
         self.otlp_receiver = OtlpReceiver(self.trace_store, config.otlp_forward_endpoint)
 
@@ -67,10 +71,9 @@ class GatewayService:
         await self.nc.subscribe(subjects.heartbeat_all(), cb=self._on_heartbeat)
         await self.nc.subscribe(subjects.cache_events_all(), cb=self._on_cache_events)
         self.dispatcher = Dispatcher(self.nc, self.registry, self.config, self.cache_index, metrics=self.metrics)
+        await self.dispatcher.listen()
         self.liveness = asyncio.create_task(
             ping_instances(self.nc, self.registry, self.dispatcher.telemetry.observe_round_trip), name="liveness")
-        api_key = read_secret(self.config.api_key_file)
-        self.admission = Admission(self.config.max_running_requests, api_key.decode() if api_key else None)
         handlers = OpenAIHandlers(self.dispatcher, self.tokenizer, self.served_model, self.config,
                                   self.max_context_tokens, self.admission, RequestTelemetry(self.metrics))
         app = web.Application(middlewares=[error_middleware, tracing_middleware(self.metrics)],
@@ -100,6 +103,13 @@ class GatewayService:
         except PddError as exc:
             log.debug("bad heartbeat: %s", exc)
 
+    def _on_gone(self, instance_id: str) -> None:
+        """A ping found nobody: the instance's caches died with it."""
+        instance = self.registry.get(instance_id)
+        if instance is not None:
+            self.metrics.instances_gone.labels(instance.heartbeat.role).inc()
+        self.cache_index.forget(instance_id)
+
     async def _on_cache_events(self, msg: Msg) -> None:
         try:
             events = messages.decode_as(msg.data, CacheEvents)
@@ -114,7 +124,8 @@ class GatewayService:
         heard = {str(role): len(self.registry.alive(role)) for role in Role}
         counts = {str(role): len(self.registry.answering(role, HEALTH_ANSWER_WITHIN_S)) for role in Role}
         ok = all(counts.values()) and self.nc.is_connected
-        return web.json_response({"status": "ok" if ok else "degraded", "instances": counts, "heard": heard},
+        return web.json_response({"status": "ok" if ok else "degraded", "instances": counts, "heard": heard,
+                                  "requests": {"running": self.admission.running, "queued": self.admission.queued}},
                                  status=200 if ok else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from services.gateway.http.admission import Overloaded, Unauthorized
+from services.gateway.http.admission import ClientLeft, Overloaded, Unauthorized
 from services.gateway.http.request_parsing import ModelNotFound, PayloadTooLarge
 from shared.errors import BadRequest, DeadlineExceeded, PddError, PeerGone
 
@@ -25,6 +25,8 @@ def error_payload(exc: BaseException) -> tuple[int, Json]:
         status = 401
     elif isinstance(exc, Overloaded):
         status = 429
+    elif isinstance(exc, ClientLeft):
+        status = 499  # nobody reads it; counted as the client going away
     elif isinstance(exc, (PayloadTooLarge, web.HTTPRequestEntityTooLarge)):
         status = 413
     elif isinstance(exc, BadRequest):
@@ -50,7 +52,7 @@ def error_payload(exc: BaseException) -> tuple[int, Json]:
 
 def error_response(exc: BaseException) -> web.Response:
     status, body = error_payload(exc)
-    headers = {"Retry-After": "1"} if status in (429, 503) else {}
+    headers = {"Retry-After": str(getattr(exc, "retry_after_s", 1))} if status in (429, 503) else {}
     if isinstance(exc, web.HTTPException) and "Allow" in exc.headers:
         headers["Allow"] = exc.headers["Allow"]
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json", headers=headers)

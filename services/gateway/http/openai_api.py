@@ -26,7 +26,7 @@ from services.gateway.http.request_parsing import (
     parse_chat_request,
     parse_completion_request,
 )
-from services.gateway.observe.request_telemetry import RequestTelemetry
+from services.gateway.observe.request_telemetry import STARTED_AT, RequestTelemetry
 from services.gateway.run.attempt import GenerationRequest
 from services.gateway.run.request_run import new_request_id
 from shared import tracing
@@ -234,7 +234,7 @@ class OpenAIHandlers:
                  telemetry: RequestTelemetry | None = None) -> None:
         self._dispatcher = dispatcher
         self._telemetry = telemetry or RequestTelemetry(GatewayMetrics())
-        self._admission = admission or Admission(0, None)
+        self._admission = admission or Admission(0, 0, None)
         self._tokenizer = tokenizer
         self._served_model = served_model
         self._config = config
@@ -275,15 +275,18 @@ class OpenAIHandlers:
         return decode_json_body(await request.read(), limit)
 
     async def _serve(self, request: web.Request, parsed: ParsedRequest) -> web.StreamResponse:
-        with self._admission.slot():
-            return await self._serve_admitted(request, parsed)
+        deadline_at = request.get(STARTED_AT, time.monotonic()) + self._config.request_timeout_s
+        async with self._admission.slot(deadline_at, lambda: _client_gone(request)) as queued_s:
+            trace.get_current_span().set_attribute("pdd.queued_s", queued_s)
+            return await self._serve_admitted(request, parsed, deadline_at)
 
-    async def _serve_admitted(self, request: web.Request, parsed: ParsedRequest) -> web.StreamResponse:
+    async def _serve_admitted(self, request: web.Request, parsed: ParsedRequest,
+                              deadline_at: float) -> web.StreamResponse:
         request_id = new_request_id()
         run = await self._dispatcher.start(GenerationRequest(
             request_id=request_id, prompt_ids=list(parsed.prompt_ids), sampling=parsed.sampling,
             pipeline=parsed.pipeline, handoff_at=parsed.handoff_at, md_kv_delay_s=parsed.md_kv_delay_s,
-            handoff_mode=parsed.handoff_mode, failure_policy=parsed.failure_policy))
+            handoff_mode=parsed.handoff_mode, failure_policy=parsed.failure_policy, deadline_at=deadline_at))
         log.info("%s: %s, %d prompt tokens, max_tokens %d, pipeline %s, stream %s", request_id, parsed.kind,
                  len(parsed.prompt_ids), parsed.sampling.max_tokens, run.pipeline, parsed.stream)
         generation = _Generation(run, parsed, self._tokenizer, self._config)

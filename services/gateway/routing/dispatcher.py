@@ -45,6 +45,7 @@ from shared.names import AUTO, Pipeline, Role
 log = logging.getLogger(__name__)
 
 ASSIGN_TIMEOUT_S = 5.0
+BUSY_ANSWERED_S = 1.0  # an instance that answered a ping this recently is alive, however slow its reply
 NO_MAIN_REASON = "no main decode reachable: RLD serves alone"
 
 
@@ -60,18 +61,38 @@ class Dispatcher:
         self.policy = PolicyConfig(config.ttft_slo_s, config.ttft_budget_fraction, config.skip_wan_max_tokens,
                                    config.wan_mbps_guess * 1e6 / 8, config.prefill_tokens_per_s_guess)
         self.tracer = tracing.tracer("pdd.gateway")
-        self.active: set[str] = set()  # ids of the attempts in flight (see abort_orphans)
+        # the attempts in flight, by request id, and where their events go (see listen, abort_orphans)
+        self.active: dict[str, tuple[Attempt, Callable[[Msg], Awaitable[None]]]] = {}
+
+    async def listen(self) -> None:
+        """Hear every request's events through one subscription, made before any request is dispatched.
+
+        A subscription per request, made just before its DecodeAssign, loses a race across the NATS
+        gateway link: its interest reaches datacenter B on another connection than the assign, and
+        an MD that decodes at once (its DRC holds the whole prompt) publishes before B knows that
+        anyone listens, so NATS drops its tokens without a word (issue 16)."""
+        await self.nc.subscribe(subjects.request_events_all(), cb=self._on_request_event)
+        await self.nc.flush()
+
+    async def _on_request_event(self, msg: Msg) -> None:
+        entry = self.active.get(subjects.request_id_of_events(msg.subject))
+        if entry is not None:  # else a late event of an attempt let go, or another gateway's request
+            await entry[1](msg)
 
     async def start(self, req: GenerationRequest) -> RequestRun:
         """Dispatch a new request; its RequestRun comes back here for each migration."""
         run = RequestRun(self.nc, req, self.config, self.dispatch, self.stop_attempt, is_alive=self.registry.is_alive,
-                         on_prefill=self._observe_prefill, on_recovery=self._count_recovery)
+                         on_prefill=self._observe_prefill, on_recovery=self._count_recovery,
+                         on_lost=self._count_loss)
         await run.start()
         return run
 
     async def dispatch(self, req: GenerationRequest, output_offset: int, avoid: set[str],
                        on_event: Callable[[Msg], Awaitable[None]]) -> Attempt:
-        """One attempt; an instance that fails to accept is avoided and the next one tried, once per role."""
+        """One attempt, preferring instances not in `avoid` (those the request failed on). An
+        instance that fails to accept is avoided and the dispatch tried once more: one that
+        nobody answers for, or that answers no ping either, is also skipped by other requests for
+        a while; one that still answers pings is busy, and may be tried again."""
         avoid = set(avoid)
         for attempt in range(2):
             try:
@@ -80,8 +101,12 @@ class Dispatcher:
                 failed = getattr(exc, "instance_id", None)
                 if failed is None or attempt == 1:
                     raise
-                log.warning("%s: %s did not accept (%s); trying another instance", req.request_id, failed, exc)
-                self.registry.suspect(failed)
+                busy = isinstance(exc, DeadlineExceeded) and self.registry.answered_within(failed, BUSY_ANSWERED_S)
+                log.warning("%s: %s did not accept (%s); trying %s", req.request_id, failed, exc,
+                            "again, another instance first: it answers pings, so it is busy" if busy
+                            else "another instance")
+                if not busy:
+                    self.registry.suspect(failed)
                 avoid.add(failed)
         raise AssertionError("unreachable")
 
@@ -153,8 +178,7 @@ class Dispatcher:
         self._record_policy(req, chosen, decision, policy_started_ns)
         attempt = Attempt(req, output_offset, pipeline, decision,
                           {role: instance.heartbeat.instance_id for role, instance in chosen.items()})
-        attempt.subscription = await self.nc.subscribe(subjects.request_events(req.request_id), cb=on_event)
-        self.active.add(req.request_id)
+        self.active[req.request_id] = (attempt, on_event)
         try:
             with self.tracer.start_as_current_span("gateway.dispatch") as span:
                 span.set_attributes({
@@ -186,13 +210,11 @@ class Dispatcher:
 
     async def stop_attempt(self, attempt: Attempt, reason: str) -> None:
         """Idempotent per attempt: stop listening, free its instances, tell every tier to drop it."""
-        if attempt.subscription is None:
+        if self.active.get(attempt.request_id, (None,))[0] is not attempt:
             return
-        subscription, attempt.subscription = attempt.subscription, None
-        self.active.discard(attempt.request_id)
+        del self.active[attempt.request_id]
         for instance_id in attempt.instances.values():
             self.registry.done(instance_id)
-        await subscription.unsubscribe()
         try:
             await bus.publish(self.nc, subjects.abort(), Abort(attempt.request_id, reason))
         except Exception as exc:  # the tiers' own deadlines still free the attempt
@@ -217,6 +239,9 @@ class Dispatcher:
 
     def _count_recovery(self, action: str) -> None:
         self.metrics.recoveries.labels(action).inc()
+
+    def _count_loss(self, tier: Role, cause: str) -> None:
+        self.metrics.tier_losses.labels(tier, cause).inc()
 
     def _record_policy(self, req: GenerationRequest, chosen: dict[Role, Instance], decision: PipelineDecision,
                        started_ns: int) -> None:

@@ -26,8 +26,10 @@ class Instance:
 
 
 class InstanceRegistry:
-    """Live instances by role. An instance is dropped when its heartbeats stop or its ping finds
-    nobody (services/gateway/routing/liveness.py), and skipped for a while when a call to it failed."""
+    """Live instances by role. An instance is alive while it is heard from: a fresh heartbeat, or a
+    ping it answered lately (a busy instance whose beats lag is busy, not gone). It is dropped when
+    both stop or its ping finds nobody (services/gateway/routing/liveness.py), and skipped for a
+    while when a call to it failed and its pings go unanswered too."""
 
     def __init__(self, stale_after_s: float, suspect_for_s: float = 5.0,
                  on_gone: Callable[[str], None] | None = None) -> None:
@@ -63,10 +65,24 @@ class InstanceRegistry:
         cutoff = time.monotonic() - within_s
         return [i for i in self.alive(role) if i.answered_at is not None and i.answered_at >= cutoff]
 
+    def get(self, instance_id: str) -> Instance | None:
+        return self._instances.get(instance_id)
+
+    def answered_within(self, instance_id: str, within_s: float) -> bool:
+        """Its ping was answered within the last `within_s`: both ways open and the process serving."""
+        instance = self._instances.get(instance_id)
+        return (instance is not None and instance.gone_at is None and instance.answered_at is not None
+                and instance.answered_at >= time.monotonic() - within_s)
+
     def watched(self) -> list[Instance]:
-        """Instances believed alive (fresh heartbeats, not gone), suspects included: the ones to ping."""
-        cutoff = time.monotonic() - self.stale_after_s
-        return [i for i in self._instances.values() if i.gone_at is None and i.last_seen >= cutoff]
+        """Instances believed alive (heard from lately, not gone), suspects included: the ones to ping."""
+        now = time.monotonic()
+        return [i for i in self._instances.values() if self._heard(i, now)]
+
+    def _heard(self, instance: Instance, now: float) -> bool:
+        cutoff = now - self.stale_after_s
+        return instance.gone_at is None and (instance.last_seen >= cutoff or (
+            instance.answered_at is not None and instance.answered_at >= cutoff))
 
     def done(self, instance_id: str) -> None:
         """A request picked on this instance ended."""
@@ -79,22 +95,28 @@ class InstanceRegistry:
 
     def alive(self, role: Role) -> list[Instance]:
         now = time.monotonic()
-        cutoff = now - self.stale_after_s
-        return [i for i in self._instances.values() if i.heartbeat.role == role and i.last_seen >= cutoff
-                and i.gone_at is None and self._suspect_until.get(i.heartbeat.instance_id, 0.0) <= now]
+        return [i for i in self._instances.values() if i.heartbeat.role == role and self._heard(i, now)
+                and self._suspect_until.get(i.heartbeat.instance_id, 0.0) <= now]
 
     def is_alive(self, instance_id: str) -> bool:
-        """Heartbeats still coming (a suspect instance may still be alive)."""
+        """Heard from lately: heartbeats, or answered pings (a suspect instance may still be alive)."""
         instance = self._instances.get(instance_id)
-        return (instance is not None and instance.gone_at is None
-                and instance.last_seen >= time.monotonic() - self.stale_after_s)
+        return instance is not None and self._heard(instance, time.monotonic())
 
     def pick(self, role: Role, score: Callable[[Instance], float] | None = None,
              avoid: Collection[str] = ()) -> Instance:
-        """The live instance of `role` with the best score (default: the least loaded), not in `avoid`."""
-        candidates = [i for i in self.alive(role) if i.heartbeat.instance_id not in avoid]
+        """The live instance of `role` with the best score (default: the least loaded).
+
+        `avoid`: instances a request failed on. Another live instance is preferred; when there is
+        none, one that still answers its pings is busy, not gone, and is picked again rather than
+        report the role empty. Raises PeerGone only when no instance of `role` is heard from."""
+        alive = self.alive(role)
+        candidates = ([i for i in alive if i.heartbeat.instance_id not in avoid]
+                      or [i for i in alive if self.answered_within(i.heartbeat.instance_id, self.stale_after_s)])
         if not candidates:
-            raise PeerGone(f"no live {role} instance")
+            raise PeerGone(f"no live {role} instance" if not alive else
+                           f"no live {role} instance but {', '.join(i.heartbeat.instance_id for i in alive)}, "
+                           "which failed this request and stopped answering pings")
         key = score or (lambda i: -i.load)
         chosen = max(candidates, key=lambda i: (key(i), -i.load, i.heartbeat.instance_id))
         chosen.in_flight += 1

@@ -27,8 +27,6 @@ from shared.names import FailurePolicy, HandoffMode, Pipeline, Role
 from shared.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from nats.aio.subscription import Subscription
-
     from services.gateway.routing.policy import PipelineDecision
 
 
@@ -57,6 +55,8 @@ class GenerationRequest:
     md_kv_delay_s: float
     handoff_mode: HandoffMode | None = None
     failure_policy: FailurePolicy | None = None  # None: the gateway's --failure-policy
+    deadline_at: float | None = None  # time.monotonic() the request must end by (it may have queued at
+    # admission); None: --request-timeout-s after its run starts
 
 
 @dataclass
@@ -73,7 +73,6 @@ class Attempt:
     phase: AttemptPhase = AttemptPhase.DISPATCHED
     prefill: PrefillDone | None = None  # P's report that every KV path is sent
     lost: set[Role] = field(default_factory=set)  # roles lost (and recovered from, or ignored)
-    subscription: Subscription | None = None  # the NATS subscription to this attempt's events
 
     @property
     def request_id(self) -> str:

@@ -7,6 +7,11 @@ a new one (through the Dispatcher) with the streamed tokens appended to the prom
 client's stream simply goes on. Every attempt ends with an Abort broadcast, so no tier keeps
 state for an attempt the gateway has let go.
 
+A tier is lost in one of two ways: its instance is gone (the watchdog: no heartbeat and no
+answered ping, or a ping nobody is there to answer), or it failed the request (RequestFailed)
+while alive. An instance that failed a request is only avoided while others serve its role; when
+it is the only one, and still answers pings, it is busy, not gone, and gets the request again.
+
 The run decides the cut (MD took over from RLD) once: `cut_index`, the output index of MD's first
 token, which the HTTP layer and the request telemetry read. The run's own lifecycle (RunPhase):
 
@@ -90,7 +95,7 @@ _RUN_MOVES = {
 }
 
 
-# Dispatches an attempt: (request, output offset, instances to avoid, event callback) -> Attempt
+# Dispatches an attempt: (request, output offset, instances to avoid if others serve, event callback) -> Attempt
 StartAttempt = Callable[[GenerationRequest, int, set[str], Callable[[Msg], Awaitable[None]]], Awaitable[Attempt]]
 
 _FAILED_BY_CODE = {cls.code: cls for cls in (DeadlineExceeded, ProtocolError, PeerGone)}
@@ -102,7 +107,8 @@ class RequestRun:
     def __init__(self, nc: NATS, req: GenerationRequest, config: GatewayConfig, start_attempt: StartAttempt,
                  stop_attempt: Callable[[Attempt, str], Awaitable[None]], is_alive: Callable[[str], bool] | None = None,
                  on_prefill: Callable[[PrefillDone], None] | None = None,
-                 on_recovery: Callable[[str], None] | None = None) -> None:
+                 on_recovery: Callable[[str], None] | None = None,
+                 on_lost: Callable[[Role, str], None] | None = None) -> None:
         self.nc = nc
         self.request = req
         self.request_id = req.request_id
@@ -113,11 +119,12 @@ class RequestRun:
         self._is_alive = is_alive
         self._on_prefill = on_prefill
         self._on_recovery = on_recovery
+        self._on_lost = on_lost  # (tier, "gone" or "failed")
         self.phase = RunPhase.RUNNING
         self.first: Attempt | None = None
         self.attempt: Attempt | None = None
         self.migrations: list[dict] = []  # one entry per migration, for the response's summary
-        self.lost_instances: set[str] = set()  # never dispatched to again by this request
+        self.failed_on: set[str] = set()  # instances an attempt failed on: later ones prefer others
         self.token_ids: list[int] = []  # what the client has, in order
         self.finish_reason: str | None = None  # the merged one (the HTTP layer may stop earlier, at a stop string)
         self.cut_index: int | None = None  # output index of MD's first token after it took over from RLD
@@ -127,6 +134,7 @@ class RequestRun:
         self.kv_received: dict[str, KVReceived] = {}
         self.first_token_at: float | None = None
         self.started_at = time.monotonic()
+        self.deadline_at = req.deadline_at or self.started_at + config.request_timeout_s
         self.trace_id = tracing.current_trace_id()  # the response names it, to find the trace on /dashboard
         self._events: asyncio.Queue = asyncio.Queue()
         self._pending: dict[int, TokenEvent] = {}  # arrived ahead of a gap, by absolute index
@@ -182,7 +190,7 @@ class RequestRun:
 
     async def tokens(self) -> AsyncIterator[TokenEvent]:
         """Tokens in index order, each once; raises the failure of any tier it cannot recover from."""
-        deadline = self.started_at + self.config.request_timeout_s
+        deadline = self.deadline_at
         last_event_at = next_check = time.monotonic()
         while self.phase is RunPhase.RUNNING:
             now = time.monotonic()
@@ -231,7 +239,8 @@ class RequestRun:
             if self._on_prefill is not None:
                 self._on_prefill(event)
         elif isinstance(event, RequestFailed):
-            await self._on_tier_lost(event.path or event.tier, f"{event.tier}: {event.message}", event.code)
+            await self._on_tier_lost(event.path or event.tier, f"{event.tier}: {event.message}", event.code,
+                                     gone=False)
         return []
 
     def _cut(self, attempt: Attempt, index: int) -> None:
@@ -266,17 +275,19 @@ class RequestRun:
         return ready
 
     async def _check_instances(self) -> None:
-        """Notice a lost instance before any deadline would: its heartbeats stopped, or its ping
-        found nobody (the gateway pings every instance in use, services/gateway/routing/liveness.py)."""
+        """Notice a lost instance before any deadline would: its heartbeats and ping answers stopped,
+        or its ping found nobody (the gateway pings every instance in use, routing/liveness.py)."""
         if self._is_alive is None:
             return
         attempt = self.attempt
         for role, instance_id in list(attempt.instances.items()):
             if role not in attempt.lost and not self._is_alive(instance_id):
-                await self._on_tier_lost(role, f"{role} instance {instance_id} stopped answering", PeerGone.code)
+                await self._on_tier_lost(role, f"{role} instance {instance_id} stopped answering", PeerGone.code,
+                                         gone=True)
                 return  # a migration may have replaced the attempt: check the new one next time
 
-    async def _on_tier_lost(self, tier: str, message: str, code: str) -> None:
+    async def _on_tier_lost(self, tier: str, message: str, code: str, gone: bool) -> None:
+        """`gone`: the instance is (the watchdog); otherwise it failed this request and may be alive."""
         attempt = self.attempt
         try:
             role = Role(tier)
@@ -285,11 +296,14 @@ class RequestRun:
         if role in attempt.lost:
             return
         attempt.lost.add(role)
+        if self._on_lost is not None:
+            self._on_lost(role, "gone" if gone else "failed")
         state = RunState(attempt.pipeline, attempt.phase, frozenset(attempt.lost - {role}),
                          len(self.token_ids) - attempt.output_offset, attempt.prefill is not None,
                          self.config.max_migrations - len(self.migrations), self.failure_policy)
         action = on_tier_lost(state, role)
-        log.warning("%s: %s lost (%s): %s", self.request_id, role, message, action.value)
+        log.warning("%s: %s %s (%s): %s", self.request_id, role, "gone" if gone else "failed the request",
+                    message, action.value)
         if action is Action.IGNORE:
             return
         if action is Action.FAIL:
@@ -309,7 +323,7 @@ class RequestRun:
             self._cut(attempt, len(self.token_ids))
         else:
             if code != RequestAborted.code:  # "aborted": the instance let the request go, it is not at fault
-                self.lost_instances.add(attempt.instances[role])
+                self.failed_on.add(attempt.instances[role])
             await self._migrate(role, message)
 
     async def _migrate(self, tier: Role, reason: str) -> None:
@@ -323,7 +337,7 @@ class RequestRun:
             sampling=dataclasses.replace(req.sampling, max_tokens=req.sampling.max_tokens - len(streamed)),
             pipeline=None, handoff_at=None, md_kv_delay_s=0.0, handoff_mode=None)
         try:
-            self.attempt = await self._start_attempt(moved, len(streamed), set(self.lost_instances), self._on_event)
+            self.attempt = await self._start_attempt(moved, len(streamed), set(self.failed_on), self._on_event)
         except PddError as exc:
             raise self._failed(PeerGone(f"{reason}; could not move the request to another instance: {exc}")) from exc
         self.migrations.append({"after_tokens": len(streamed), "lost": str(tier), "pipeline": self.attempt.pipeline,
