@@ -243,6 +243,17 @@ class PrefillConfig:
                           engine=_engine(ns, kv_budget_tokens=0))  # P has no KV budget flag: no limit
 
 
+@dataclass(frozen=True)
+class KVLimits:
+    """What a decoder's KV port tolerates from its peers (DecoderConfig's flags of the same names)."""
+
+    idle_timeout_s: float = 60.0  # a connection that starts no frame while it carries no open transfer
+    read_window_s: float = 10.0  # inside a frame, each window this long must bring read_min_bytes
+    read_min_bytes: int = 16 * 1024
+    max_connections: int = 256  # handshaking ones included
+    max_connections_per_peer: int = 64  # per peer IP address
+
+
 @dataclass(frozen=True, kw_only=True)
 class DecoderConfig:
     """What Relay Decode and Main Decode both take: each receives KV on its own TCP port."""
@@ -256,6 +267,15 @@ class DecoderConfig:
                                   "0: --kv-port")
     kv_stall_timeout_s: float = _kv_stall_timeout_s()
     kv_secret_file: str = _kv_secret_file()
+    kv_idle_timeout_s: float = flag(KVLimits.idle_timeout_s, "close a KV connection that starts no frame for this "
+                                    "long while it carries no open transfer (P dials again); 0: never")
+    kv_read_window_s: float = flag(KVLimits.read_window_s, "inside a KV frame, each window this long must bring "
+                                   "--kv-read-min-bytes (or the frame's rest), else the connection closes; 0: off")
+    kv_read_min_bytes: int = flag(KVLimits.read_min_bytes)
+    kv_max_connections: int = flag(KVLimits.max_connections, "KV connections at once, handshaking ones included; "
+                                   "more are refused")
+    kv_max_connections_per_peer: int = flag(KVLimits.max_connections_per_peer, "KV connections at once from one "
+                                            "peer address")
     engine: EngineConfig = EngineConfig()
 
     @staticmethod
@@ -266,6 +286,11 @@ class DecoderConfig:
         add_flags(p, DecoderConfig)
         add_flags(p, EngineConfig)
         return p
+
+    @property
+    def kv_limits(self) -> KVLimits:
+        return KVLimits(self.kv_idle_timeout_s, self.kv_read_window_s, self.kv_read_min_bytes,
+                        self.kv_max_connections, self.kv_max_connections_per_peer)
 
     @staticmethod
     def _parts(ns: argparse.Namespace, role: Role) -> dict[str, Any]:
@@ -321,6 +346,14 @@ class GatewayConfig:
     request_timeout_s: float = flag(300.0)
     token_timeout_s: float = flag(60.0, "longest wait for the next token before the request fails")
     max_body_bytes: int = flag(4 * 1024 * 1024)
+    header_timeout_s: float = flag(10.0, "a connection must send a whole request head within this many seconds of "
+                                         "opening or of its last response, else it is closed (also the idle "
+                                         "keep-alive limit)")
+    body_timeout_s: float = flag(10.0, "a request body must arrive whole within this many seconds of its head, else "
+                                       "408 and the connection is closed")
+    max_prompt_bytes_per_token: int = flag(256, "a prompt of more UTF-8 bytes than the context's tokens times this "
+                                                "cannot fit: refused with 400 before tokenising")
+    tokenizer_threads: int = flag(2, "threads that render the chat template and tokenise, off the event loop")
     default_max_tokens: int = flag(256)
     ttft_slo_s: float = flag(2.0, name="ttft-slo-ms", scale=1000)
     ttft_budget_fraction: float = flag(0.5, "auto picks P-MD when MD is predicted to be ready within this fraction "

@@ -9,7 +9,11 @@ has nothing to send (its chunks still wait for P's engine) its sender writes a K
 queue. Progress is counted per connection on both sides: bytes arriving on a connection move
 every request it carries, and bytes leaving it move the frame P is writing, so frames queued
 behind other requests' frames on a busy link wait, they do not stall. Frames for a request the
-receiver does not expect (late, duplicate, aborted) are read and dropped.
+receiver does not expect (late, duplicate, aborted) are read and dropped as they stream in.
+
+The receiver's port faces strangers (`KVLimits`): it caps connections per peer address and in
+total, holds frames to a sane size, and closes a connection that idles without an open transfer
+or trickles a frame; P retires a connection before the decoder's idle deadline could close it.
 
 It is one module past 450 lines on purpose: both sides share the transfer states, the handshake and
 the progress rule (a connection's bytes are progress for every request it carries), which change
@@ -18,18 +22,21 @@ together; split apart, each half would only make sense with the other open besid
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import fcntl
 import logging
 import struct
 import termios
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import orjson
 import torch
 
 from shared import kv_wire
+from shared.config import KVLimits
 from shared.errors import DeadlineExceeded, IncompatiblePeer, PddError, PeerGone, ProtocolError, RequestAborted
 from shared.messages import KVTarget
 from shared.models import KVLayout
@@ -37,7 +44,7 @@ from shared.models import KVLayout
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
-MAX_FRAME_BYTES = 2 * 1024 * 1024
+MAX_FRAME_BYTES = kv_wire.FRAME_PAYLOAD_BYTES
 PROGRESS_READ_BYTES = 256 * 1024  # the most a receiver reads at once inside one frame
 KEEPALIVE_MAX_S = 1.0  # an idle transfer speaks at least this often, whatever the stall timeout
 ABORT_FRAME_TIMEOUT_S = 1.0
@@ -100,10 +107,20 @@ class InboundLink:
         self.peer = peer
         self.bytes_received = 0
         self.last_bytes_at = time.monotonic()
+        self._inboxes: set[KVInbox] = set()  # the transfers whose frames it carried
 
     def saw_bytes(self, count: int) -> None:
         self.bytes_received += count
         self.last_bytes_at = time.monotonic()
+
+    def carries(self, inbox: KVInbox) -> None:
+        self._inboxes.add(inbox)
+
+    @property
+    def carries_open_transfer(self) -> bool:
+        """Whether a transfer it carried is still open: then its silence is that transfer's stall, not idling."""
+        self._inboxes = {inbox for inbox in self._inboxes if not inbox.ended}
+        return bool(self._inboxes)
 
 
 class KVInbox(_StateMachine):
@@ -154,6 +171,7 @@ class KVInbox(_StateMachine):
     def heard_on(self, link: InboundLink) -> None:
         """A frame for this request arrived on `link`: from now on its bytes are this transfer's progress."""
         self._links.add(link)
+        link.carries(self)
 
     @property
     def last_progress_at(self) -> float | None:
@@ -217,17 +235,27 @@ class KVInbox(_StateMachine):
 
 
 class KVReceiver:
-    """The decoder's KV port: handshakes senders and routes frames into inboxes."""
+    """The decoder's KV port: handshakes senders and routes frames into inboxes.
 
-    def __init__(self, layout: KVLayout, dtype: torch.dtype, secret: bytes | None = None) -> None:
+    Nothing a peer sends makes it hold more than one frame of at most `max_payload` bytes per
+    connection, and that only for a request it expects; `limits` bounds connections and time.
+    """
+
+    def __init__(self, layout: KVLayout, dtype: torch.dtype, secret: bytes | None = None,
+                 limits: KVLimits = KVLimits()) -> None:
         self.layout = layout
         self.dtype = dtype
         self.secret = secret
-        self.refused_connections = 0
+        self.limits = limits
+        self.max_payload = kv_wire.max_payload_bytes(layout)
+        self.refused_connections = 0  # failed the handshake, or over a connection cap
+        self.idle_closes = 0
+        self.slow_closes = 0  # a frame trickled in slower than the read deadline allows
         self.inboxes: dict[str, KVInbox] = {}
         self.frames_dropped = 0
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._per_peer: dict[str, int] = {}  # peer address -> connections, handshaking ones included
         self._handlers: set[asyncio.Task] = set()
 
     @property
@@ -259,9 +287,25 @@ class KVReceiver:
             inbox.abort("decoder shutting down")
         self.inboxes.clear()
 
+    def _over_cap(self, address: str) -> str | None:
+        """Why one more connection from `address` is refused, or None."""
+        if len(self._writers) >= self.limits.max_connections:
+            return f"{len(self._writers)} KV connections open, the most this decoder takes"
+        if self._per_peer.get(address, 0) >= self.limits.max_connections_per_peer:
+            return f"{self._per_peer[address]} KV connections open from {address}, the most it takes from one peer"
+        return None
+
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
+        address = peer[0] if isinstance(peer, tuple) else str(peer)
+        if (reason := self._over_cap(address)) is not None:
+            self.refused_connections += 1
+            log.warning("KV peer %s refused: %s", peer, reason)
+            writer.write(kv_wire.pack_message({"ok": False, "reason": reason}))  # in place of the challenge
+            writer.close()
+            return
         self._writers.add(writer)
+        self._per_peer[address] = self._per_peer.get(address, 0) + 1
         self._handlers.add(asyncio.current_task())
         try:
             await self._handshake(reader, writer)
@@ -270,6 +314,8 @@ class KVReceiver:
                 await self._read_frame(reader, link)
         except asyncio.IncompleteReadError:
             log.debug("KV peer %s closed", peer)
+        except DeadlineExceeded as exc:
+            log.info("KV peer %s closed: %s", peer, exc)
         except (ProtocolError, IncompatiblePeer, TimeoutError) as exc:
             self.refused_connections += 1
             log.warning("KV peer %s refused: %s", peer, exc or "handshake timed out")
@@ -277,6 +323,9 @@ class KVReceiver:
             log.info("KV peer %s connection lost: %s", peer, exc)
         finally:
             self._writers.discard(writer)
+            self._per_peer[address] -= 1
+            if not self._per_peer[address]:
+                del self._per_peer[address]
             self._handlers.discard(asyncio.current_task())
             writer.close()
 
@@ -293,17 +342,25 @@ class KVReceiver:
                 writer.write(kv_wire.pack_message({"ok": False, "reason": str(exc)}))
                 await writer.drain()
                 raise IncompatiblePeer(str(exc)) from exc
-            writer.write(kv_wire.pack_message({"ok": True, "model_id": self.layout.model_id,
-                                               "auth": kv_wire.proof(self.secret, str(msg.get("nonce")), "receiver")}))
+            writer.write(kv_wire.pack_message({
+                "ok": True, "model_id": self.layout.model_id,
+                "auth": kv_wire.proof(self.secret, str(msg.get("nonce")), "receiver"),
+                "idle_timeout_s": self.limits.idle_timeout_s or None}))
             await writer.drain()
 
     async def _read_frame(self, reader: asyncio.StreamReader, link: InboundLink) -> None:
-        header = kv_wire.unpack_header(await reader.readexactly(kv_wire.FRAME_HEADER.size))
-        link.saw_bytes(kv_wire.FRAME_HEADER.size)
+        raw = bytearray(await self._frame_start(reader, link))
+        raw += await self._read_steadily(reader, kv_wire.FRAME_HEADER.size - len(raw), link, keep=True)
+        header = kv_wire.unpack_header(bytes(raw), max_payload=self.max_payload)
+        if header.kind is kv_wire.FrameKind.DATA and (header.kv_heads, header.head_dim) != (
+                self.layout.kv_heads, self.layout.head_dim):
+            raise ProtocolError(f"frame of {header.kv_heads} KV heads of {header.head_dim}, this decoder has "
+                                f"{self.layout.kv_heads} of {self.layout.head_dim}")
         inbox = self.inboxes.get(header.request_id)
         if inbox is not None and not inbox.ended:
             inbox.heard_on(link)
-        payload = await _read_payload(reader, header.payload_len, link)
+        if header.kind is not kv_wire.FrameKind.DATA or inbox is None or inbox.ended:
+            await self._read_steadily(reader, header.payload_len, link, keep=False)  # never held whole
         if header.kind is kv_wire.FrameKind.KEEPALIVE:
             if inbox is not None:
                 inbox.keepalive()
@@ -314,27 +371,76 @@ class KVReceiver:
         if header.kind is kv_wire.FrameKind.ABORT:
             inbox.abort("sender aborted")
         elif header.kind is kv_wire.FrameKind.DATA:
+            payload = await self._read_steadily(reader, header.payload_len, link, keep=True)
             try:
                 inbox.accept(header, kv_wire.payload_to_tensor(header, payload))
             except ProtocolError as exc:
                 inbox.fail(exc)
                 raise
 
+    async def _frame_start(self, reader: asyncio.StreamReader, link: InboundLink) -> bytes:
+        """The first bytes of the next frame. A connection may wait `idle_timeout_s` for one, unless a
+        transfer it carries is open: that transfer's own stall deadline judges its silence."""
+        idle_s = self.limits.idle_timeout_s or None
+        while True:
+            try:
+                async with asyncio.timeout(idle_s):
+                    part = await reader.read(kv_wire.FRAME_HEADER.size)
+                break
+            except TimeoutError:
+                if (part := await _buffered(reader, kv_wire.FRAME_HEADER.size)) is not None:
+                    break  # it arrived together with the deadline
+                if not link.carries_open_transfer:
+                    self.idle_closes += 1
+                    raise DeadlineExceeded(f"no frame for {idle_s:g}s") from None
+        if not part:
+            raise asyncio.IncompleteReadError(b"", kv_wire.FRAME_HEADER.size)
+        link.saw_bytes(len(part))
+        return part
 
-async def _read_payload(reader: asyncio.StreamReader, length: int, link: InboundLink) -> bytearray:
-    """A frame's payload, taken as it arrives: on a slow link one 2 MiB frame takes seconds, and
-    each piece tells the link (and every request it carries) that it is moving."""
-    payload = bytearray(length)
-    got = 0
-    with memoryview(payload) as view:
-        while got < length:
-            part = await reader.read(min(length - got, PROGRESS_READ_BYTES))
-            if not part:
-                raise asyncio.IncompleteReadError(bytes(view[:got]), length)
-            view[got:got + len(part)] = part
-            got += len(part)
-            link.saw_bytes(len(part))
-    return payload
+    async def _read_steadily(self, reader: asyncio.StreamReader, length: int, link: InboundLink, *,
+                             keep: bool) -> bytearray:
+        """`length` bytes taken as they arrive, in pieces of at most PROGRESS_READ_BYTES (each tells the
+        link, and every request it carries, that it moves); with `keep` False they are dropped as they
+        come. Each `read_window_s` must bring `read_min_bytes` or the rest: a trickle is closed."""
+        kept = bytearray(length if keep else 0)
+        window_s, loop = self.limits.read_window_s, asyncio.get_running_loop()
+        got = window_got = 0
+        window_end, window_due = loop.time() + window_s, min(self.limits.read_min_bytes, length)
+        with memoryview(kept) as view:
+            while got < length:
+                if window_s > 0 and loop.time() >= window_end:
+                    if window_got < window_due:
+                        self.slow_closes += 1
+                        raise DeadlineExceeded(f"{window_got} bytes of a frame in {window_s:g}s, under the "
+                                               f"{window_due} the read deadline asks")
+                    window_got, window_due = 0, min(self.limits.read_min_bytes, length - got)
+                    window_end = loop.time() + window_s
+                want = min(length - got, PROGRESS_READ_BYTES)
+                try:
+                    async with asyncio.timeout_at(window_end if window_s > 0 else None):
+                        part = await reader.read(want)
+                except TimeoutError:
+                    if (part := await _buffered(reader, want)) is None:
+                        continue
+                if not part:
+                    raise asyncio.IncompleteReadError(bytes(view[:got]), length)
+                if keep:
+                    view[got:got + len(part)] = part
+                got += len(part)
+                window_got += len(part)
+                link.saw_bytes(len(part))
+        return kept
+
+
+async def _buffered(reader: asyncio.StreamReader, limit: int) -> bytes | None:
+    """Up to `limit` bytes the reader already holds (b"" at EOF), or None: a deadline and data can
+    land in the same turn of the loop, and the data counts. A zero timeout fires only if read waits."""
+    try:
+        async with asyncio.timeout(0):
+            return await reader.read(limit)
+    except TimeoutError:
+        return None
 
 
 # --- sending side (P) -----------------------------------------------------------------------
@@ -342,14 +448,37 @@ async def _read_payload(reader: asyncio.StreamReader, length: int, link: Inbound
 class KVConnection:
     """One handshaken TCP connection from P to a decoder's KV port; frames are written whole."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 idle_timeout_s: float | None = None) -> None:
         self.reader = reader
         self.writer = writer
         self.lock = asyncio.Lock()
+        self.idle_timeout_s = idle_timeout_s  # the decoder closes it after this long without a frame
+        self.last_write_at = time.monotonic()
+        self.transfers = 0  # open transfers that hold it (each speaks at least every keepalive_s)
 
     @property
     def closed(self) -> bool:
         return self.writer.is_closing() or self.reader.at_eof()
+
+    @property
+    def reusable(self) -> bool:
+        """Open, and not idle long enough for the decoder to be closing it: P retires a connection at
+        half the decoder's idle deadline, so a new transfer never races the decoder's close."""
+        if self.closed:
+            return False
+        if self.idle_timeout_s is None or self.transfers or self.lock.locked():
+            return True
+        return time.monotonic() - self.last_write_at < self.idle_timeout_s / 2
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """While an open transfer uses it (so no other transfer retires it as idle)."""
+        self.transfers += 1
+        try:
+            yield
+        finally:
+            self.transfers -= 1
 
     async def write(self, *parts: bytes | memoryview, stall_timeout_s: float | None = None) -> None:
         """Write one frame whole. `stall_timeout_s` bounds the link's silence while it takes the
@@ -360,7 +489,10 @@ class KVConnection:
                 raise PeerGone("KV connection closed")
             for part in parts:
                 self.writer.write(part)
-            await self._drain(stall_timeout_s)
+            try:
+                await self._drain(stall_timeout_s)
+            finally:
+                self.last_write_at = time.monotonic()
 
     def bytes_owed(self) -> int:
         """Bytes written but not yet taken by the peer: asyncio's buffer, plus the kernel's send
@@ -437,7 +569,12 @@ class KVSender:
         key = (host, port)
         lock = self._connecting.setdefault(key, asyncio.Lock())
         async with lock:
-            pool = [conn for conn in self._pools.get(key, []) if not conn.closed]
+            pool = []
+            for conn in self._pools.get(key, []):
+                if conn.reusable:
+                    pool.append(conn)
+                else:  # closed by the decoder, or idle long enough that it soon would be
+                    conn.close()
             missing = self.connections_per_peer - len(pool)
             if missing > 0:
                 pool += await asyncio.gather(*(self._open(host, port) for _ in range(missing)))
@@ -453,6 +590,8 @@ class KVSender:
             async with asyncio.timeout(self.connect_timeout_s):
                 reader, writer = await asyncio.open_connection(host, port)
                 challenge = await read_message(reader)
+                if challenge.get("ok") is False:  # over the decoder's connection caps
+                    raise PeerGone(f"decoder {host}:{port} refused: {challenge.get('reason')}")
                 if challenge.get("magic") != kv_wire.MAGIC.decode() or not isinstance(challenge.get("nonce"), str):
                     raise IncompatiblePeer(f"{host}:{port} is not a pdd KV receiver of protocol {kv_wire.PROTOCOL_VERSION}")
                 nonce = kv_wire.new_nonce()
@@ -471,7 +610,8 @@ class KVSender:
             if writer is not None:
                 writer.close()
             raise
-        return KVConnection(reader, writer)
+        idle_s = reply.get("idle_timeout_s")
+        return KVConnection(reader, writer, float(idle_s) if isinstance(idle_s, (int, float)) and idle_s > 0 else None)
 
     def drop(self, host: str, port: int) -> None:
         for conn in self._pools.pop((host, port), []):
@@ -592,24 +732,10 @@ class OutgoingTransfer(_StateMachine):
         try:
             async with asyncio.timeout(self.deadline_s):
                 conns = await self.sender.connections(host, port)
-                first_byte_at: float | None = None
-                while True:
-                    try:
-                        async with asyncio.timeout(self.sender.keepalive_s):
-                            token_start, item, queued_at = await self._queue.get()
-                    except TimeoutError:  # P's engine has not made the next chunk yet: say so
-                        await self._write(conns[0], self._keepalive_frame)
-                        continue
-                    if self.target.delay_s > 0:  # each chunk leaves delay_s after P made it, like a long link
-                        await asyncio.sleep(max(0.0, queued_at + self.target.delay_s - time.monotonic()))
-                    if token_start is _END:
-                        break
-                    if self.state is TransferState.WAITING:
-                        self._move(TransferState.TRANSFERRING)
-                        first_byte_at = time.monotonic()
-                    frames = self._frames(token_start, item)
-                    await asyncio.gather(*(self._write_frames(conn, frames[i::len(conns)])
-                                           for i, conn in enumerate(conns)))
+                with contextlib.ExitStack() as holding:
+                    for conn in conns:
+                        holding.enter_context(conn.held())
+                    first_byte_at = await self._stream(conns)
             self._move(TransferState.DONE)
             if first_byte_at is not None:
                 self.sender.throughput.observe(f"{host}:{port}", self.kv_bytes, time.monotonic() - first_byte_at)
@@ -621,6 +747,28 @@ class OutgoingTransfer(_StateMachine):
         except (PddError, OSError) as exc:
             self.sender.drop(host, port)
             self._fail(f"KV send to {self.target.role} failed: {exc}")
+
+    async def _stream(self, conns: list[KVConnection]) -> float | None:
+        """Every queued chunk, as frames spread over `conns`, until the end mark; returns when the
+        first KV byte left (None: there was none). While the queue is empty, a KEEPALIVE goes down
+        every connection: the decoder then counts none of them idle while this transfer is open."""
+        first_byte_at: float | None = None
+        while True:
+            try:
+                async with asyncio.timeout(self.sender.keepalive_s):
+                    token_start, item, queued_at = await self._queue.get()
+            except TimeoutError:  # P's engine has not made the next chunk yet: say so
+                await asyncio.gather(*(self._write(conn, self._keepalive_frame) for conn in conns))
+                continue
+            if self.target.delay_s > 0:  # each chunk leaves delay_s after P made it, like a long link
+                await asyncio.sleep(max(0.0, queued_at + self.target.delay_s - time.monotonic()))
+            if token_start is _END:
+                return first_byte_at
+            if self.state is TransferState.WAITING:
+                self._move(TransferState.TRANSFERRING)
+                first_byte_at = time.monotonic()
+            frames = self._frames(token_start, item)
+            await asyncio.gather(*(self._write_frames(conn, frames[i::len(conns)]) for i, conn in enumerate(conns)))
 
     def _frames(self, token_start: int, kv: torch.Tensor) -> list[tuple[bytes, memoryview]]:
         """Cut a chunk into frames of at most MAX_FRAME_BYTES, so they spread over connections

@@ -29,7 +29,8 @@ from shared.names import DType
 MAGIC = b"PDKV"
 PROTOCOL_VERSION = 3  # 3: KEEPALIVE frames; the END frame of version 2 is gone
 MAX_HELLO_BYTES = 64 * 1024
-MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
+MAX_PAYLOAD_BYTES = 256 * 1024 * 1024  # the format's ceiling; a receiver holds frames to max_payload_bytes
+FRAME_PAYLOAD_BYTES = 2 * 1024 * 1024  # what a sender puts in one frame, unless one token's KV alone is more
 
 # magic, version, kind, dtype code, pad, request id (16 bytes), layer start/end, token start/end,
 # kv heads, head dim, payload length, crc32 of the payload
@@ -100,7 +101,15 @@ def pack_data_frame(request_id: str, layer_start: int, token_start: int,
     return header, payload
 
 
-def unpack_header(data: bytes, request_id_prefix: str = "req-") -> FrameHeader:
+def max_payload_bytes(layout: KVLayout) -> int:
+    """The largest payload a receiver accepts: a sender's frame, or one token of every layer in the
+    widest wire dtype where that is more (a sender cuts frames between tokens, never inside one)."""
+    token_bytes = layout.num_layers * 2 * layout.kv_heads * layout.head_dim * torch.float32.itemsize
+    return max(FRAME_PAYLOAD_BYTES, token_bytes)
+
+
+def unpack_header(data: bytes, request_id_prefix: str = "req-",
+                  max_payload: int = MAX_PAYLOAD_BYTES) -> FrameHeader:
     try:
         (magic, version, kind, dtype_code, rid, ls, le, ts, te, heads, dim, length, crc) = FRAME_HEADER.unpack(data)
     except struct.error as exc:
@@ -114,8 +123,8 @@ def unpack_header(data: bytes, request_id_prefix: str = "req-") -> FrameHeader:
                              WIRE_DTYPES[dtype_code], heads, dim, length, crc)
     except (ValueError, KeyError) as exc:
         raise ProtocolError(f"bad frame field: {exc}") from exc
-    if length > MAX_PAYLOAD_BYTES:
-        raise ProtocolError(f"frame payload {length} bytes exceeds {MAX_PAYLOAD_BYTES}")
+    if length > max_payload:
+        raise ProtocolError(f"frame payload {length} bytes exceeds {max_payload}")
     if header.kind == FrameKind.DATA and (ls >= le or ts >= te):
         raise ProtocolError("empty layer or token range")
     if length != header.expected_payload_len:

@@ -51,6 +51,7 @@ ENTRY_POINTS = {
     "services.gateway": EntryPoint(GatewayConfig.parser, GatewayConfig.from_argv),
     "wan": EntryPoint(WanMainConfig.parser, WanMainConfig.from_argv),
 }
+KV_MODULES = ("services.prefill", "services.relay", "services.main")  # the roles on the KV sockets
 NON_FLAG_ENV = {"PDD_HOME"}  # read by shared/models.py: where converted checkpoints live
 OUR_BUILD = {"context": "..", "dockerfile": "Dockerfile"}
 
@@ -263,6 +264,39 @@ def parsed_config(service: dict) -> object:
         return ENTRY_POINTS[command[0]].config(command[1:])
 
 
+def secret_mounts(service: dict) -> dict[str, str]:
+    """Path inside the container -> the top-level secret mounted there (short or long syntax)."""
+    mounts = {}
+    for secret in service.get("secrets") or []:
+        source, target = (secret, secret) if isinstance(secret, str) else (secret["source"],
+                                                                           secret.get("target", secret["source"]))
+        mounts[target if target.startswith("/") else f"/run/secrets/{target}"] = source
+    return mounts
+
+
+def kv_secret_errors(compose: dict) -> list[str]:
+    """Every P, RLD and MD passes --kv-secret-file naming a mounted secret, the same one for all."""
+    errors: list[str] = []
+    sources = set()
+    for name, service in our_services(compose).items():
+        if service["command"][0] not in KV_MODULES:
+            continue
+        path = parsed_config(service).kv_secret_file  # type: ignore[attr-defined]
+        if not path:
+            errors.append(f"{name}: no --kv-secret-file: its KV socket takes any peer")
+            continue
+        source = secret_mounts(service).get(path)
+        if source is None:
+            errors.append(f"{name}: --kv-secret-file {path} is not a secret mounted into it")
+        elif "file" not in (compose.get("secrets") or {}).get(source, {}):
+            errors.append(f"{name}: secret {source} is not a top-level secret read from a file")
+        else:
+            sources.add(source)
+    if len(sources) > 1:
+        errors.append(f"the KV services mount different secrets: {sorted(sources)}")
+    return errors
+
+
 def services_running(compose: dict, module: str) -> dict[str, dict]:
     return {name: s for name, s in our_services(compose).items() if s["command"][0] == module}
 
@@ -294,6 +328,12 @@ def test_every_command_parses_with_the_flags_of_the_module_it_runs(compose_file:
     compose = load_compose(compose_file)
     assert our_services(compose), "no service runs the pdd image"
     assert command_errors(compose) == []
+
+
+def test_every_kv_service_gets_the_kv_secret(compose_file: Path) -> None:
+    compose = load_compose(compose_file)
+    assert {s["command"][0] for s in our_services(compose).values()} & set(KV_MODULES)
+    assert kv_secret_errors(compose) == []
 
 
 def test_every_variable_the_file_uses_is_listed_in_env_example(compose_file: Path) -> None:
@@ -375,6 +415,18 @@ def _one_service(command: list[str], environment: dict[str, str] | None = None) 
         "env-of-another-role", "env-without-wan-prefix", "env-bad-value"])
 def test_check_reports_what_would_only_fail_at_container_start(compose: dict, expected: str) -> None:
     errors = command_errors(compose)
+    assert len(errors) == 1 and expected in errors[0], errors
+
+
+@pytest.mark.parametrize(("service", "expected"), [
+    ({"command": ["services.main"]}, "no --kv-secret-file"),
+    ({"command": ["services.relay", "--kv-secret-file", "/run/secrets/kv_secret"]}, "is not a secret mounted"),
+    ({"command": ["services.prefill", "--kv-secret-file", "/run/secrets/other"], "secrets": ["other"]},
+     "not a top-level secret"),
+], ids=["no-flag", "not-mounted", "not-declared"])
+def test_kv_secret_check_reports_a_kv_service_without_the_secret(service: dict, expected: str) -> None:
+    compose = {"services": {"svc": {"build": dict(OUR_BUILD), **service}}, "secrets": {"kv_secret": {"file": "k"}}}
+    errors = kv_secret_errors(compose)
     assert len(errors) == 1 and expected in errors[0], errors
 
 

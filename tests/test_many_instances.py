@@ -25,7 +25,8 @@ def spawn(stack: LocalStack, role: str, instance_id: str) -> subprocess.Popen:
     extra = ["--kv-host", "127.0.0.1", "--kv-port", "0"] if role != "prefill" else ["--chunk-tokens", "64"]
     return subprocess.Popen(
         [sys.executable, "-m", f"services.{role}", "--nats-url", stack.nats_url, "--model", str(stack.model_path),
-         "--torch-threads", "1", "--instance-id", instance_id, *extra, *BEAT],
+         "--torch-threads", "1", "--instance-id", instance_id, "--kv-secret-file", str(stack.kv_secret_file),
+         *extra, *BEAT],
         stdout=open(stack.log_dir / f"{instance_id}.log", "ab"), stderr=subprocess.STDOUT)
 
 

@@ -5,8 +5,9 @@ and is stopped in order (gateway, decoders, prefill, nats-servers, WAN emulator)
 per stage. With `topology="two-dc"` it also starts a second nats-server for datacenter B and the
 WAN emulator between them (see docs/wan.md). With `nats_auth`, its nats-servers demand a user, a
 password and a client certificate, made fresh under `<log_dir>/nats-auth`, and every service gets
-the flags to match. It never speaks NATS itself; it polls the gateway's /healthz and talks to the
-emulator's control API.
+the flags to match. The KV sockets always authenticate: P, RLD and MD get the operator's secret
+file, or one made fresh under `<log_dir>/kv-secret`. It never speaks NATS itself; it polls the
+gateway's /healthz and talks to the emulator's control API.
 """
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ from tools.nats_certs import NatsCerts, make_nats_certs
 from tools.nats_config import (NATS_USER, find_nats_server, nats_auth_argv, nats_client_auth_conf, nats_gateway_conf,
                                write_private)
 from tools.processes import POLL_S, die_with_parent, log_tail, signal_group, wait_exited
-from tools.stack_config import (DATACENTER, LOOPBACK, MD_KV_ROUTE, MODEL_ROLES, NATS, NATS_B, NATS_GW_A_ROUTE,
-                                NATS_GW_B_ROUTE, SERVICES, STOP_STAGES, WAN, StackConfig, StackError, free_port,
-                                port_is_free)
+from tools.stack_config import (DATACENTER, KV_ROLES, KV_SECRET_FILE, LOOPBACK, MD_KV_ROUTE, MODEL_ROLES, NATS,
+                                NATS_B, NATS_GW_A_ROUTE, NATS_GW_B_ROUTE, SERVICES, STOP_STAGES, WAN, StackConfig,
+                                StackError, free_port, port_is_free)
 from tools.wan_control import WanControl
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class LocalStack:
         self.md_kv_port: int = 0  # two-dc: the port MD binds (the emulator's md_kv route dials it)
         self.port: int = config.port
         self.nats_auth: NatsAuth | None = None  # --nats-auth: what a client of our nats-server(s) presents
+        self.kv_secret_file: Path | None = None  # what P, RLD and MD authenticate their KV sockets with
         self._nats_certs: NatsCerts | None = None
         self._nats_password = ""
         self._argv: dict[str, list[str]] = {}
@@ -110,6 +112,7 @@ class LocalStack:
             raise StackError(f"port {self.port} on {self.config.host} is in use; pass --port 0 for a free one")
         if self.config.nats_auth:
             await asyncio.to_thread(self._make_nats_credentials)
+        self.kv_secret_file = self._kv_secret()
         if self.config.two_dc:
             if self.config.nats_url:
                 raise StackError("--topology two-dc starts its own two nats-servers; drop --nats-url")
@@ -138,6 +141,17 @@ class LocalStack:
         write_private(password_file, self._nats_password + "\n")
         c = self._nats_certs
         self.nats_auth = NatsAuth(NATS_USER, str(password_file), str(c.ca), str(c.client_cert), str(c.client_key))
+
+    def _kv_secret(self) -> Path:
+        """The operator's KV secret file, or a fresh random one only we can read."""
+        if self.config.kv_secret_file is not None:
+            path = self.config.kv_secret_file.resolve()
+            if not path.is_file():
+                raise StackError(f"--kv-secret-file {path} does not exist")
+            return path
+        path = self.log_dir / KV_SECRET_FILE
+        write_private(path, secrets.token_hex(32) + "\n")
+        return path
 
     def _nats_client_conf(self) -> str:
         """The nats-server config lines that make clients log in (empty without --nats-auth)."""
@@ -224,6 +238,8 @@ class LocalStack:
                      "--advertise-host", LOOPBACK, "--advertise-port", str(self.wan_ports[MD_KV_ROUTE])]
         elif role in ("relay", "main"):
             argv += ["--kv-host", LOOPBACK, "--kv-port", "0"]
+        if role in KV_ROLES and self.kv_secret_file is not None:
+            argv += ["--kv-secret-file", str(self.kv_secret_file)]
         if role == "gateway":
             argv += ["--host", c.host, "--port", str(self.port), "--pipeline", c.pipeline]
         if self.nats_auth is not None:
@@ -309,6 +325,8 @@ class LocalStack:
             state.update(nats_url_b=self.nats_url_b, wan_control_url=self.wan_control_url, wan_ports=self.wan_ports)
         if self.nats_auth is not None:
             state["nats_auth"] = asdict(self.nats_auth)
+        if self.kv_secret_file is not None:
+            state["kv_secret_file"] = str(self.kv_secret_file)
         self.state_path.write_text(json.dumps(state, indent=2) + "\n")
 
     def kill(self, role: str, sig: int = signal.SIGKILL) -> None:

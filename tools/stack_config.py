@@ -28,6 +28,8 @@ NATS_GW_B_ROUTE = "nats_gw_b"  # dialled by nats-b: B -> A messages
 LOOPBACK = "127.0.0.1"
 NATS_USER = "pdd"  # --nats-auth: the one NATS user every service of the local stack connects as
 NATS_AUTH_DIR = "nats-auth"  # --nats-auth: under log_dir, the password file and certificates (mode 0700)
+KV_SECRET_FILE = "kv-secret"  # under log_dir: the KV sockets' shared secret, made fresh unless given (mode 0600)
+KV_ROLES = (Role.PREFILL, Role.RELAY, Role.MAIN)  # the roles that speak on the KV sockets
 
 
 class StackError(RuntimeError):
@@ -65,6 +67,7 @@ class StackConfig:
     wan_trace: Path | None = None  # two-dc: bandwidth trace file; overrides wan_bandwidth_mbps
     wan_control_port: int = 0  # two-dc: the emulator's control API port; 0 picks a free one
     nats_auth: bool = False  # our nats-server(s) demand a password and a client certificate (mutual TLS)
+    kv_secret_file: Path | None = None  # the KV sockets' secret; None: a fresh one in log_dir/KV_SECRET_FILE
 
     def __post_init__(self) -> None:
         if self.topology not in TOPOLOGIES:
@@ -88,6 +91,9 @@ class StackConfig:
         parser.add_argument("--nats-auth", action="store_true",
                             help="start nats-server with a user, a password and mutual TLS (throwaway certificates "
                                  f"in <log-dir>/{NATS_AUTH_DIR}) and connect every service with them")
+        parser.add_argument("--kv-secret-file", type=Path, default=None,
+                            help="shared secret file for the KV sockets of P, RLD and MD (default: a fresh random "
+                                 f"one in <log-dir>/{KV_SECRET_FILE})")
         parser.add_argument("--log-dir", type=Path, default=d.log_dir, help="one log file per process")
         parser.add_argument("--log-level", default=d.log_level, help="log level of the services")
         parser.add_argument("--torch-threads", type=int, default=d.torch_threads,
@@ -118,7 +124,7 @@ class StackConfig:
             startup_timeout_s=ns.startup_timeout_s, topology=ns.topology,
             wan_bandwidth_mbps=ns.wan_bandwidth_mbps, wan_delay_ms=ns.wan_delay_ms,
             wan_jitter_ms=ns.wan_jitter_ms, wan_trace=ns.wan_trace, wan_control_port=ns.wan_control_port,
-            nats_auth=ns.nats_auth,
+            nats_auth=ns.nats_auth, kv_secret_file=ns.kv_secret_file,
         )
 
     @property

@@ -50,7 +50,8 @@ class DecoderService:
         self.layout = kv_layout(path)
         self.runner = ModelRunner(load_model(path, config.model.dtype, config.model.device))
         self.engine = BatchEngine(self.runner, config.engine, self.name)
-        self.receiver = KVReceiver(self.layout, DTYPE_NAMES[config.model.dtype], read_secret(config.kv_secret_file))
+        self.receiver = KVReceiver(self.layout, DTYPE_NAMES[config.model.dtype], read_secret(config.kv_secret_file),
+                                   limits=config.kv_limits)
         self.tracer = tracing.tracer(f"pdd.{self.name}")
         self.requests: dict[str, DecodeRequest] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -85,6 +86,7 @@ class DecoderService:
     def _describe(self) -> Heartbeat:
         stats = {"open_inboxes": len(self.receiver.inboxes), "kv_connections": self.receiver.open_connections,
                  "kv_refused_connections": self.receiver.refused_connections,
+                 "kv_idle_closes": self.receiver.idle_closes, "kv_slow_closes": self.receiver.slow_closes,
                  "frames_dropped": self.receiver.frames_dropped, **self.engine.stats(), **self.role.stats()}
         held: dict[str, list[str]] = {}
         for request in self.requests.values():

@@ -12,7 +12,7 @@ from aiohttp import web
 from nats.aio.msg import Msg
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.gateway.http.admission import Admission
+from services.gateway.http.admission import Admission, key_middleware
 from services.gateway.http.http_errors import error_middleware
 from services.gateway.http.openai_api import OpenAIHandlers
 from services.gateway.observe.dashboard import DashboardHandlers
@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 HEALTH_ANSWER_WITHIN_S = 1.0  # a few liveness pings (every 0.25 s, each allowed 0.5 s)
 STALE_HEARTBEATS = 3.5  # an instance is gone after this many missed heartbeat intervals
+# Open without the API key: probes, scrapes, and the dashboard's page (its data routes need the key).
+OPEN_PATHS = frozenset({"/healthz", "/metrics", "/dashboard"})
 
 
 class GatewayService:
@@ -63,7 +65,7 @@ class GatewayService:
                                    api_key.decode() if api_key else None)
         self.metrics.queued_requests.set_function(lambda: self.admission.queued)
         self.trace_store = TraceStore(config.trace_store_traces)
-        self.otlp_receiver = OtlpReceiver(self.trace_store, config.otlp_forward_endpoint)
+        self.otlp_receiver = OtlpReceiver(self.trace_store, config.otlp_forward_endpoint, config.body_timeout_s)
 
     async def start(self) -> None:
         common = self.config.common
@@ -74,13 +76,16 @@ class GatewayService:
         await self.dispatcher.listen()
         self.liveness = asyncio.create_task(
             ping_instances(self.nc, self.registry, self.dispatcher.telemetry.observe_round_trip), name="liveness")
-        handlers = OpenAIHandlers(self.dispatcher, self.tokenizer, self.served_model, self.config,
+        self.handlers = handlers = OpenAIHandlers(self.dispatcher, self.tokenizer, self.served_model, self.config,
                                   self.max_context_tokens, self.admission, RequestTelemetry(self.metrics))
-        app = web.Application(middlewares=[error_middleware, tracing_middleware(self.metrics)],
+        app = web.Application(middlewares=[error_middleware, tracing_middleware(self.metrics),
+                                           key_middleware(self.admission, OPEN_PATHS)],
                               client_max_size=self.config.max_body_bytes)
         app.add_routes([*handlers.routes(), web.get("/healthz", self._healthz), web.get("/metrics", self._metrics),
                         *self.otlp_receiver.routes(), *DashboardHandlers(self.trace_store).routes()])
-        self.runner = web.AppRunner(app, shutdown_timeout=5.0)
+        # aiohttp's keep-alive timer also closes a connection whose request head is still incomplete:
+        # it is the header read timeout (the body has its own deadline, in read_body).
+        self.runner = web.AppRunner(app, shutdown_timeout=5.0, keepalive_timeout=self.config.header_timeout_s)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.config.host, self.config.port)
         await site.start()
@@ -91,6 +96,7 @@ class GatewayService:
         self.liveness.cancel()
         await asyncio.gather(self.liveness, return_exceptions=True)
         await self.runner.cleanup()
+        self.handlers.close()
         await self.otlp_receiver.close()
         await self.nc.drain()
 

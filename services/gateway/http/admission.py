@@ -13,7 +13,7 @@ import contextlib
 import hmac
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
@@ -40,6 +40,9 @@ class ClientLeft(PddError):
     """The client went away while its request waited in the queue."""
 
     code = "client_disconnected"
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class Admission:
@@ -118,3 +121,17 @@ class Admission:
     def _observe(self, run_s: float) -> None:
         mean_s = self._mean_run_s
         self._mean_run_s = run_s if mean_s is None else mean_s + RUN_S_WEIGHT * (run_s - mean_s)
+
+
+def key_middleware(admission: Admission, open_paths: frozenset[str]) -> Callable[[web.Request, Handler],
+                                                                                Awaitable[web.StreamResponse]]:
+    """Every route needs the API key (when one is set) but `open_paths`: a route added later is
+    closed unless someone opens it."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in open_paths:
+            admission.check_key(request)
+        return await handler(request)
+
+    return middleware

@@ -9,6 +9,7 @@ import orjson
 from aiohttp import web
 
 from services.gateway.http.admission import ClientLeft, Overloaded, Unauthorized
+from services.gateway.http.body_reading import BodyTimeout, answer_and_close
 from services.gateway.http.request_parsing import ModelNotFound, PayloadTooLarge
 from shared.errors import BadRequest, DeadlineExceeded, PddError, PeerGone
 
@@ -25,6 +26,8 @@ def error_payload(exc: BaseException) -> tuple[int, Json]:
         status = 401
     elif isinstance(exc, Overloaded):
         status = 429
+    elif isinstance(exc, BodyTimeout):
+        status = 408
     elif isinstance(exc, ClientLeft):
         status = 499  # nobody reads it; counted as the client going away
     elif isinstance(exc, (PayloadTooLarge, web.HTTPRequestEntityTooLarge)):
@@ -74,8 +77,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception as exc:
         if not isinstance(exc, PddError):
             log.exception("%s %s: unhandled error", request.method, request.path)
-        elif not isinstance(exc, BadRequest):
+        elif not isinstance(exc, (BadRequest, BodyTimeout)):
             log.warning("%s %s: %s: %s", request.method, request.path, type(exc).__name__, exc)
+        if isinstance(exc, BodyTimeout):
+            return await answer_and_close(request, error_response(exc))
         return error_response(exc)
 
 

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,12 +19,14 @@ import orjson
 from aiohttp import web
 from opentelemetry import trace
 
-from services.gateway.http.admission import Admission
+from services.gateway.http.admission import Admission, ClientLeft
+from services.gateway.http.body_reading import read_body
+from services.gateway.http.client_watch import ClientWatch, client_gone
 from services.gateway.http.detokenizer import OutputText
 from services.gateway.http.http_errors import error_payload
 from services.gateway.http.request_parsing import (
     ParsedRequest,
-    PayloadTooLarge,
+    check_prompt_bytes,
     decode_json_body,
     parse_chat_request,
     parse_completion_request,
@@ -218,11 +223,6 @@ async def _send(response: web.StreamResponse, data: bytes) -> None:
         raise _ClientGone(str(exc)) from exc
 
 
-def _client_gone(request: web.Request) -> bool:
-    transport = request.transport
-    return transport is None or transport.is_closing()
-
-
 # --- handlers ----------------------------------------------------------------------------------
 
 
@@ -239,7 +239,14 @@ class OpenAIHandlers:
         self._served_model = served_model
         self._config = config
         self._max_context_tokens = max_context_tokens
+        self._max_prompt_bytes = max_context_tokens * config.max_prompt_bytes_per_token
+        # The chat template and the tokeniser run here, not on the event loop: a big prompt would
+        # stall every stream (the fast tokeniser releases the GIL while it works).
+        self._tokenize_pool = ThreadPoolExecutor(max(1, config.tokenizer_threads), thread_name_prefix="tokenize")
         self._created = int(time.time())
+
+    def close(self) -> None:
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -249,34 +256,30 @@ class OpenAIHandlers:
         ]
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        self._admission.check_key(request)
-        body = await self._read_json(request)
-        parsed = parse_chat_request(body, self._tokenizer, self._served_model, self._config,
-                                    self._max_context_tokens)
+        parsed = await self._parse(request, "chat", parse_chat_request)
         return await self._serve(request, parsed)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        self._admission.check_key(request)
-        body = await self._read_json(request)
-        parsed = parse_completion_request(body, self._tokenizer, self._served_model, self._config,
-                                          self._max_context_tokens)
+        parsed = await self._parse(request, "completion", parse_completion_request)
         return await self._serve(request, parsed)
 
     async def models(self, request: web.Request) -> web.Response:
-        self._admission.check_key(request)
         model = {"id": self._served_model, "object": "model", "created": self._created, "owned_by": "pdd",
                  "max_model_len": self._max_context_tokens}
         return _json_response({"object": "list", "data": [model]})
 
-    async def _read_json(self, request: web.Request) -> object:
+    async def _parse(self, request: web.Request, kind: str,
+                     parse: Callable[..., ParsedRequest]) -> ParsedRequest:
         limit = self._config.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise PayloadTooLarge(f"request body is {request.content_length} bytes; the limit is {limit}")
-        return decode_json_body(await request.read(), limit)
+        body = decode_json_body(await read_body(request, self._config.body_timeout_s, limit), limit)
+        check_prompt_bytes(body, kind, self._max_prompt_bytes)
+        job = functools.partial(parse, body, self._tokenizer, self._served_model, self._config,
+                                self._max_context_tokens)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, job)
 
     async def _serve(self, request: web.Request, parsed: ParsedRequest) -> web.StreamResponse:
         deadline_at = request.get(STARTED_AT, time.monotonic()) + self._config.request_timeout_s
-        async with self._admission.slot(deadline_at, lambda: _client_gone(request)) as queued_s:
+        async with self._admission.slot(deadline_at, lambda: client_gone(request)) as queued_s:
             trace.get_current_span().set_attribute("pdd.queued_s", queued_s)
             return await self._serve_admitted(request, parsed, deadline_at)
 
@@ -295,12 +298,18 @@ class OpenAIHandlers:
                          created=int(time.time()), model=self._served_model, chat=parsed.kind == "chat",
                          include_usage=parsed.include_usage)
         try:
-            if parsed.stream:
-                return await self._stream(request, parsed, generation, shapes)
-            return await self._respond(request, parsed, generation, shapes)
+            # Before its first token nothing is written that could fail: the watch notices the
+            # client gone within a second, and the run's close aborts the request on every tier.
+            with ClientWatch(request):
+                if parsed.stream:
+                    return await self._stream(request, parsed, generation, shapes)
+                return await self._respond(request, parsed, generation, shapes)
+        except ClientLeft:
+            generation.close_reason = "client_disconnected"
+            raise
         except asyncio.CancelledError:
-            # aiohttp cancels the handler when the client's connection drops mid-response.
-            generation.close_reason = "client_disconnected" if _client_gone(request) else "cancelled"
+            # aiohttp cancels the handler on disconnect when run with handler_cancellation.
+            generation.close_reason = "client_disconnected" if client_gone(request) else "cancelled"
             raise
         finally:
             log.info("%s: closed (%s), finish %s, %d tokens %s", request_id, generation.close_reason,
@@ -319,7 +328,7 @@ class OpenAIHandlers:
             texts.append(step.text)
             if step.finish_reason is not None:
                 break
-            if _client_gone(request):
+            if client_gone(request):
                 generation.close_reason = "client_disconnected"
                 return web.Response(status=499, reason="Client Closed Request")  # nobody reads it
         handoff = generation.run.handoff

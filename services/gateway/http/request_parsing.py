@@ -67,6 +67,24 @@ def decode_json_body(raw: bytes, max_body_bytes: int) -> object:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
 
 
+def check_prompt_bytes(body: object, kind: str, max_bytes: int) -> None:
+    """Refuse a prompt too big for any tokenisation to fit the context, before tokenising it (cheap,
+    so it runs on the event loop; the tokeniser does not). Shapes are checked later, by the parser."""
+    if not isinstance(body, dict):
+        return
+    param = "messages" if kind == "chat" else "prompt"
+    prompt = body.get(param)
+    if kind == "chat" and isinstance(prompt, list):
+        texts = [m.get("content") for m in prompt if isinstance(m, dict)]
+        texts += [p.get("text") for c in texts if isinstance(c, list) for p in c if isinstance(p, dict)]
+    else:
+        texts = prompt if isinstance(prompt, list) else [prompt]
+    size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts if isinstance(t, str))
+    if size > max_bytes:
+        raise InvalidParam(param, f"the prompt is {size} bytes, more than this model's context could hold as "
+                                  f"tokens (at most {max_bytes} bytes)")
+
+
 def parse_chat_request(body: object, tokenizer: PreTrainedTokenizerBase, served_model: str,
                        config: GatewayConfig, max_context_tokens: int) -> ParsedRequest:
     fields = _request_object(body, served_model)

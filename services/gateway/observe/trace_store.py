@@ -26,6 +26,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
+from services.gateway.http.body_reading import read_body
+
 log = logging.getLogger(__name__)
 
 Json = dict[str, object]
@@ -159,9 +161,10 @@ class TraceStore:
 class OtlpReceiver:
     """aiohttp shell around a TraceStore: the OTLP/HTTP endpoint and the optional forwarding."""
 
-    def __init__(self, store: TraceStore, forward_endpoint: str = "") -> None:
+    def __init__(self, store: TraceStore, forward_endpoint: str = "", body_timeout_s: float = 10.0) -> None:
         self.store = store
         self.forward_endpoint = forward_endpoint
+        self.body_timeout_s = body_timeout_s
         self.forwards_dropped = 0
         self._forwards: set[asyncio.Task] = set()
         self._session: aiohttp.ClientSession | None = None
@@ -170,7 +173,7 @@ class OtlpReceiver:
         return [web.post("/v1/traces", self.export)]
 
     async def export(self, request: web.Request) -> web.Response:
-        body = await request.read()
+        body = await read_body(request, self.body_timeout_s)
         content_type = request.content_type or PROTOBUF
         try:
             raw = gzip.decompress(body) if request.headers.get("Content-Encoding", "") == "gzip" else body
