@@ -112,12 +112,15 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     with the very call (shapes, mask, kernel) transformers' sdpa path makes for one request alone,
     so batching changes only the matmuls outside attention.
     """
-    if pdd_pack is None:  # an ordinary forward (a DynamicCache, generate): plain sdpa
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    layer = module.layer_idx
     gqa = getattr(module, "num_key_value_groups", 1) > 1
     direct = not gqa or use_gqa_in_sdpa(None, key, value)
+    if pdd_pack is None:  # an ordinary forward (a DynamicCache, generate): sdpa, in the packed path's precision
+        if dropout:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, **kwargs)
+        one_token = query.shape[2] == 1 and attention_mask is None and direct
+        return _attend(module, query, key, value, attention_mask, scaling, gqa, one_token), None
+    layer = module.layer_idx
     outputs = []
     for row, start, mask in zip(pdd_pack.rows, pdd_pack.offsets, pdd_pack.masks):
         past, n = row.kv.length, len(row.token_ids)
@@ -125,14 +128,29 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         cache_k.narrow(2, past, n).copy_(key.narrow(2, start, n))
         cache_v.narrow(2, past, n).copy_(value.narrow(2, start, n))
         q, k, v = query.narrow(2, start, n), cache_k.narrow(2, 0, past + n), cache_v.narrow(2, 0, past + n)
-        if n == 1 and direct:
-            # the very call sdpa_attention_forward makes for one query token and no mask, minus its
-            # per-call checks, which cost more than the attention itself at decode sizes on a CPU
-            out = F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=gqa).transpose(1, 2)
-        else:
-            out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=scaling)
-        outputs.append(out)
+        outputs.append(_attend(module, q, k, v, mask, scaling, gqa, n == 1 and direct))
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+
+
+def _attend(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scaling: float | None, gqa: bool, one_token: bool) -> torch.Tensor:
+    """Attention of q [1, heads, t, d] over k, v; the output as [1, t, heads, d].
+
+    On a CPU, half-precision models attend in float32 and round the output once: torch's
+    bfloat16 kernel for one query token is about 6x slower than its float32 one there (584
+    against 98 us per call at 512 positions, conversion included), and one precision for every
+    attention keeps a decoder's token-by-token KV equal to MD's one-pass recomputation of it.
+    """
+    dtype = q.dtype
+    if q.device.type == "cpu" and dtype != torch.float32:
+        q, k, v = q.float(), k.float(), v.float()
+    if one_token:
+        # the very call sdpa_attention_forward makes for one query token and no mask, minus its
+        # per-call checks, which cost more than the attention itself at decode sizes on a CPU
+        out = F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=gqa).transpose(1, 2)
+    else:
+        out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=scaling)
+    return out.to(dtype)
 
 
 AttentionInterface.register(ATTENTION, packed_attention)

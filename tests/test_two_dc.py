@@ -25,6 +25,7 @@ from tools.cli import build_parser
 from tools.launcher import LocalStack
 from tools.stack_config import MD_KV_ROUTE, NATS, NATS_B, NATS_GW_A_ROUTE, NATS_GW_B_ROUTE, SERVICES, WAN, StackConfig, StackError
 from shared.models import load_model
+from shared.model_runner import ATTENTION
 from wan.emulator import WanStats
 
 from helpers import process_alive
@@ -282,6 +283,7 @@ def fp32_prefill_bf16_decode(model_path: Path) -> Generate:
     float32, chunk by chunk as P does; rounded to bfloat16 (on the wire or at MD); then greedy
     decoding in bfloat16 from the last prompt token."""
     fp32, bf16 = load_model(model_path, "float32", "cpu"), load_model(model_path, "bfloat16", "cpu")
+    bf16.set_attn_implementation(ATTENTION)  # a decoder's arithmetic: one query token attends in float32
 
     @torch.inference_mode()
     def generate(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
