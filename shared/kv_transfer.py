@@ -373,7 +373,7 @@ class KVReceiver:
         elif header.kind is kv_wire.FrameKind.DATA:
             payload = await self._read_steadily(reader, header.payload_len, link, keep=True)
             try:
-                inbox.accept(header, kv_wire.payload_to_tensor(header, payload))
+                inbox.accept(header, await asyncio.to_thread(kv_wire.payload_to_tensor, header, payload))  # crc32
             except ProtocolError as exc:
                 inbox.fail(exc)
                 raise
@@ -767,7 +767,8 @@ class OutgoingTransfer(_StateMachine):
             if self.state is TransferState.WAITING:
                 self._move(TransferState.TRANSFERRING)
                 first_byte_at = time.monotonic()
-            frames = self._frames(token_start, item)
+            frames = await asyncio.to_thread(self._frames, token_start, item)  # conversion and crc32 off the loop
+            self.kv_bytes += sum(len(header) + len(payload) for header, payload in frames)
             await asyncio.gather(*(self._write_frames(conn, frames[i::len(conns)]) for i, conn in enumerate(conns)))
 
     def _frames(self, token_start: int, kv: torch.Tensor) -> list[tuple[bytes, memoryview]]:
@@ -776,11 +777,9 @@ class OutgoingTransfer(_StateMachine):
         tokens = kv.shape[3]
         token_bytes = max(1, kv[:, :, :, :1].numel() * self.sender.wire_dtype.itemsize)
         step = max(1, min(tokens, MAX_FRAME_BYTES // token_bytes))
-        frames = [kv_wire.pack_data_frame(self.request_id, 0, token_start + offset,
-                                          kv[:, :, :, offset:offset + step], self.sender.wire_dtype)
-                  for offset in range(0, tokens, step)]
-        self.kv_bytes += sum(len(header) + len(payload) for header, payload in frames)
-        return frames
+        return [kv_wire.pack_data_frame(self.request_id, 0, token_start + offset,
+                                        kv[:, :, :, offset:offset + step], self.sender.wire_dtype)
+                for offset in range(0, tokens, step)]
 
     async def _write_frames(self, conn: KVConnection, frames: list[tuple[bytes, memoryview]]) -> None:
         for frame in frames:

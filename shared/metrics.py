@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
                                disable_created_metrics, start_http_server)
 
+from shared.loop_lag import LoopLagMonitor
+
 log = logging.getLogger(__name__)
 disable_created_metrics()  # the *_created series only double every counter; none of our dashboards read them
 
@@ -20,6 +22,7 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 TOKEN_GAP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0)
 # actual minus predicted: negative means MD was ready sooner than the policy thought
 ERROR_BUCKETS_S = (-10.0, -5.0, -2.0, -1.0, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
+LOOP_LAG_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 TRANSFER_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
 
 
@@ -36,6 +39,18 @@ class _RoleMetrics:
             "token yet (gateway)", registry=r)
         self.aborts = Counter("pdd_aborts", "Aborts by reason: every one the gateway broadcast; on P, RLD and "
                               "MD those that found the request still running", ["reason"], registry=r)
+
+        self.event_loop_lag = Histogram(
+            "pdd_event_loop_lag_seconds", "How much later than asked the event loop woke from a 50 ms sleep: "
+            "time it could not read its sockets", buckets=LOOP_LAG_BUCKETS_S, registry=r)
+        self.event_loop_lag_max = Gauge("pdd_event_loop_lag_max_seconds", "The event loop's longest lag since start",
+                                        registry=r)
+
+    def loop_lag_monitor(self) -> LoopLagMonitor:
+        """A monitor of the event loop's lag that reports into these metrics; `start()` it on the loop."""
+        monitor = LoopLagMonitor(self.event_loop_lag.observe)
+        self.event_loop_lag_max.set_function(lambda: monitor.max_lag_s)
+        return monitor
 
     def track_load(self, running: Callable[[], float], queued: Callable[[], float]) -> None:
         self.running_requests.set_function(running)

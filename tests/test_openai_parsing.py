@@ -526,9 +526,10 @@ async def test_client_disconnect_while_waiting_for_a_whole_completion_closes_the
     assert dispatcher.runs[0].close_reasons == ["client_disconnected"]
 
 
-async def test_stalled_token_stream_is_504(tokenizer):
+async def test_a_token_stream_stalled_past_the_request_deadline_is_504(tokenizer):
+    """(The next-token deadline is the run's: tests/test_request_run.py.)"""
     dispatcher = FakeDispatcher(tokenizer, TEXT, stall_at=2)
-    config = dataclasses.replace(CONFIG, token_timeout_s=0.1)
+    config = dataclasses.replace(CONFIG, request_timeout_s=0.3)
     async with serve(dispatcher, tokenizer, config=config) as url, openai_client(url) as client:
         with pytest.raises(openai.APIStatusError) as info:
             await client.completions.create(model=MODEL, prompt="x")

@@ -12,7 +12,7 @@ from services.gateway.run.attempt import Attempt, AttemptPhase, GenerationReques
 from services.gateway.run.request_run import RequestRun, RunPhase
 from shared import messages, subjects
 from shared.config import CommonConfig, GatewayConfig
-from shared.errors import PeerGone, RequestAborted
+from shared.errors import DeadlineExceeded, PeerGone, RequestAborted
 from shared.messages import (
     Handoff,
     HandoffStats,
@@ -292,6 +292,36 @@ async def test_the_token_stream_reads_the_wire_and_the_watchdog_migrates_off_a_d
     assert (event.index, event.token_id, event.finish_reason) == (2, 102, "stop")
     with pytest.raises(StopAsyncIteration):
         await anext(stream)
+
+
+async def test_waiting_for_prefill_is_not_a_stall_but_silence_after_it_is():
+    """A request queued at P gets no event for longer than the next-token deadline and does not
+    fail; once P has sent its KV (or a token came), silence past the deadline fails it."""
+    config = dataclasses.replace(CONFIG, token_timeout_s=0.3)
+    run, _ = await start_run(FakeDispatch(Pipeline.P_MD), config=config)
+    stream = run.tokens()
+    next_token = asyncio.create_task(anext(stream))
+    await asyncio.sleep(1.0)  # over three next-token deadlines, all in P's queue
+    assert not next_token.done() and run.waiting_for_prefill
+    await run._on_event(SimpleNamespace(data=messages.encode(
+        PrefillDone(run.attempt.request_id, "p-0", len(PROMPT) - 1, 0.9, {"main": 100}, {"main": 0.01}))))
+    async with asyncio.timeout(3):
+        await asyncio.sleep(0.05)
+        assert not run.waiting_for_prefill
+        with pytest.raises(DeadlineExceeded, match="no token came within 0.3s"):
+            await next_token
+
+
+async def test_the_next_token_deadline_runs_between_tokens():
+    config = dataclasses.replace(CONFIG, token_timeout_s=0.3)
+    run, _ = await start_run(FakeDispatch(Pipeline.P_MD), config=config)
+    await run._on_event(SimpleNamespace(data=messages.encode(chunk(run, 0, [100], Role.MAIN))))
+    stream = run.tokens()
+    assert (await anext(stream)).index == 0
+    assert not run.waiting_for_prefill  # a token came: P's KV is in somewhere
+    async with asyncio.timeout(3):
+        with pytest.raises(DeadlineExceeded, match="no token came within"):
+            await anext(stream)
 
 
 # --- the lifecycle is explicit -----------------------------------------------------------------

@@ -63,10 +63,10 @@ class DecoderRole(Protocol):
     def stats(self) -> dict[str, float]:
         """Gauges only this role has, for its heartbeat."""
 
-    def hold_prefix(self, assign: DecodeAssign) -> int:
+    async def hold_prefix(self, assign: DecodeAssign) -> int:
         """Lock the prompt prefix whose KV this decoder already holds; its length in tokens (P sends the rest)."""
 
-    def assemble_kv(self, request: DecodeRequest, received: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    async def assemble_kv(self, request: DecodeRequest, received: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The request's prompt KV in order: a held prefix (then unlocked), then what P sent."""
 
     async def decode(self, request: DecodeRequest, io: DecoderIO) -> Phase:

@@ -59,6 +59,7 @@ class DecoderService:
         self.metrics.track_load(lambda: len(self.requests), lambda: self.engine.queued)
 
     async def start(self) -> None:
+        self.loop_lag = self.metrics.loop_lag_monitor().start()
         self.metrics_server = serve_metrics(self.metrics.registry, self.config.common.metrics_host,
                                             self.config.common.metrics_port)
         self.kv_port = await self.receiver.start(self.config.kv_host, self.config.kv_port)
@@ -73,6 +74,7 @@ class DecoderService:
             heartbeat_loop(self.nc, self.name, self.config.common.heartbeat_s, self._describe)))
 
     async def stop(self) -> None:
+        self.loop_lag.stop()
         await self.nc.drain()
         tasks = [*self._tasks, *(r.task for r in self.requests.values() if r.task)]
         for task in tasks:
@@ -103,7 +105,7 @@ class DecoderService:
         except PddError as exc:
             await bus.reply_error(msg, exc)
             return
-        cached = self.role.hold_prefix(assign)
+        cached = await self.role.hold_prefix(assign)
         self.metrics.cache_hit_tokens.inc(cached)
         inbox = self.receiver.expect(assign.request_id, cached, assign.kv_tokens)
         request = DecodeRequest(assign, inbox, tracing.extract(msg.headers))
@@ -139,7 +141,7 @@ class DecoderService:
                 await bus.publish(self.nc, request.events_subject, KVReceived(
                     request.request_id, self.name, inbox.token_start, inbox.token_end - inbox.token_start,
                     inbox.bytes_received, time.monotonic() - request.assigned_at))
-                parts = self.role.assemble_kv(request, kv)
+                parts = await self.role.assemble_kv(request, kv)
                 request.move(Phase.ADMITTING)
                 submitted_ns = time.time_ns()
                 request.seq = await self._admit(request, parts)

@@ -55,9 +55,10 @@ class GatewayService:
         self.served_model = served_model_name(path)
         self.max_context_tokens = max_context_tokens(path)
         self.cache_index = MainCacheIndex()
-        self.registry = InstanceRegistry(stale_after_s=STALE_HEARTBEATS * config.common.heartbeat_s,
-                                         on_gone=self._on_gone)
         self.metrics = GatewayMetrics()
+        self.loop_lag = self.metrics.loop_lag_monitor()
+        self.registry = InstanceRegistry(stale_after_s=STALE_HEARTBEATS * config.common.heartbeat_s,
+                                         on_gone=self._on_gone, clock=self.loop_lag.clock)
         for role in Role:
             self.metrics.live_instances.labels(role).set_function(lambda role=role: len(self.registry.alive(role)))
         api_key = read_secret(config.api_key_file)
@@ -69,6 +70,7 @@ class GatewayService:
 
     async def start(self) -> None:
         common = self.config.common
+        self.loop_lag.start()
         self.nc = await bus.connect(common.nats_url, common.instance_id, common.nats_auth)
         await self.nc.subscribe(subjects.heartbeat_all(), cb=self._on_heartbeat)
         await self.nc.subscribe(subjects.cache_events_all(), cb=self._on_cache_events)
@@ -93,6 +95,7 @@ class GatewayService:
         log.info("OpenAI API on http://%s:%d/v1", self.config.host, self.port)
 
     async def stop(self) -> None:
+        self.loop_lag.stop()
         self.liveness.cancel()
         await asyncio.gather(self.liveness, return_exceptions=True)
         await self.runner.cleanup()

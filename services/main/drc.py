@@ -2,7 +2,7 @@
 
 A request's prefix is locked from its assignment until its KV is assembled (the prefix, then
 what P sent); a finished request's KV is kept for the session's next turn. The changes become the
-events the gateway's cache index follows. Plain: the caller publishes `take_events()`.
+events the gateway's cache index follows: `keep` returns them and the caller publishes them.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from shared.cache_worker import CacheWorker
 from shared.config import CacheConfig
 from shared.radix_cache import CacheEvent, PrefixHandle, RadixCache
 
@@ -18,20 +19,43 @@ CACHE_EVENT_BLOCK_TOKENS = 16  # granularity of the gateway's view of the DRC
 
 
 class DecodeCache:
+    """Every tree operation runs on the cache's own worker thread (shared/cache_worker.py), off MD's loop."""
+
     def __init__(self, config: CacheConfig) -> None:
         self._events: list[CacheEvent] = []
         self.cache = RadixCache(config.tokens, config.kv_bytes, self._events.append,
                                 event_block_tokens=CACHE_EVENT_BLOCK_TOKENS)
-        self._locks: dict[str, PrefixHandle] = {}
+        self._worker = CacheWorker(self.cache, "drc")
+        self._locks: dict[str, PrefixHandle] = {}  # touched on the worker only
 
-    def lock(self, request_id: str, prompt_ids: Sequence[int]) -> int:
+    async def lock(self, request_id: str, prompt_ids: Sequence[int]) -> int:
         """Lock the longest cached prefix of the prompt's KV positions; its length in tokens."""
+        return await self._worker.call(self._lock, request_id, prompt_ids)
+
+    async def assemble(self, request_id: str, received: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The locked prefix's KV (copied, then unlocked) before the received rest."""
+        return await self._worker.call(self._assemble, request_id, received)
+
+    def unlock(self, request_id: str) -> None:
+        """Release the request's prefix, if still locked (in order after anything asked before)."""
+        self._worker.post(self._unlock, request_id)
+
+    async def keep(self, token_ids: Sequence[int], kv: torch.Tensor) -> list[dict]:
+        """Insert a finished request's KV; the cache's changes since the last keep, as CacheEvents wants them."""
+        return await self._worker.call(self._keep, token_ids, kv)
+
+    def gauges(self) -> dict[str, float]:
+        return self._worker.gauges()
+
+    def close(self) -> None:
+        self._worker.close()
+
+    def _lock(self, request_id: str, prompt_ids: Sequence[int]) -> int:
         handle = self.cache.lock(prompt_ids[:-1])
         self._locks[request_id] = handle
         return handle.length
 
-    def assemble(self, request_id: str, received: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The locked prefix's KV (copied, then unlocked) before the received rest."""
+    def _assemble(self, request_id: str, received: torch.Tensor) -> tuple[torch.Tensor, ...]:
         handle = self._locks.pop(request_id, None)
         if handle is None:
             return (received,)
@@ -40,20 +64,14 @@ class DecodeCache:
         finally:
             handle.release()
 
-    def unlock(self, request_id: str) -> None:
+    def _unlock(self, request_id: str) -> None:
         handle = self._locks.pop(request_id, None)
         if handle is not None:
             handle.release()
 
-    def keep(self, token_ids: Sequence[int], kv: torch.Tensor) -> None:
+    def _keep(self, token_ids: Sequence[int], kv: torch.Tensor) -> list[dict]:
         self.cache.insert(token_ids, kv)
-
-    def take_events(self) -> list[dict]:
-        """The changes since the last call, as CacheEvents wants them."""
         events = [{**dataclasses.asdict(event), "block_hashes": [list(b) for b in event.block_hashes]}
                   for event in self._events]
         self._events.clear()
         return events
-
-    def gauges(self) -> dict[str, float]:
-        return self.cache.gauges()

@@ -42,11 +42,11 @@ class MainRole:
     def stats(self) -> dict[str, float]:
         return self.drc.gauges() if self.drc is not None else {}
 
-    def hold_prefix(self, assign: DecodeAssign) -> int:
-        return self.drc.lock(assign.request_id, assign.prompt_ids) if self.drc is not None else 0
+    async def hold_prefix(self, assign: DecodeAssign) -> int:
+        return await self.drc.lock(assign.request_id, assign.prompt_ids) if self.drc is not None else 0
 
-    def assemble_kv(self, request: DecodeRequest, received: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.drc.assemble(request.request_id, received) if self.drc is not None else (received,)
+    async def assemble_kv(self, request: DecodeRequest, received: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return await self.drc.assemble(request.request_id, received) if self.drc is not None else (received,)
 
     def release(self, request: DecodeRequest) -> None:
         if self.drc is not None:
@@ -148,8 +148,7 @@ class MainRole:
         seq = request.seq
         cached = seq.kv.length
         kv = await io.export(request, 0, cached)
-        self.drc.keep((seq.prompt_ids + seq.output_ids)[:cached], kv)
-        events = self.drc.take_events()
+        events = await self.drc.keep((seq.prompt_ids + seq.output_ids)[:cached], kv)
         if not events:
             return
         try:

@@ -25,6 +25,7 @@ from shared.messages import Abort, Heartbeat, PrefillAccepted, PrefillDone, Pref
 from shared.model_runner import ModelRunner
 from shared.models import kv_layout, load_model, resolve_model
 from shared.names import Role
+from shared.cache_worker import CacheWorker
 from shared.radix_cache import RadixCache
 from shared.service_runtime import heartbeat_loop, now
 from services.prefill.job import Phase, PrefillJob
@@ -47,7 +48,8 @@ class PrefillService:
         self.sender = KVSender(self.layout, wire, config.kv_connect_timeout_s, config.kv_connections,
                                config.kv_stall_timeout_s, read_secret(config.kv_secret_file))
         self.tracer = tracing.tracer("pdd.prefill")
-        self.cache = RadixCache(config.cache.tokens, config.cache.kv_bytes) if config.cache.enabled else None
+        self.cache = (CacheWorker(RadixCache(config.cache.tokens, config.cache.kv_bytes), "prefix-cache")
+                      if config.cache.enabled else None)  # every tree operation on its own thread, off the loop
         self.jobs: dict[str, PrefillJob] = {}
         self.aborted_transfers = 0
         self.kv_bytes_per_token = self.layout.num_layers * 2 * self.layout.kv_heads * self.layout.head_dim * wire.itemsize
@@ -57,6 +59,7 @@ class PrefillService:
         self.metrics.track_load(lambda: len(self.jobs), lambda: self.engine.queued)
 
     async def start(self) -> None:
+        self.loop_lag = self.metrics.loop_lag_monitor().start()
         self.metrics_server = serve_metrics(self.metrics.registry, self.config.common.metrics_host,
                                             self.config.common.metrics_port)
         self.nc = await bus.connect(self.config.common.nats_url, self.instance_id, self.config.common.nats_auth)
@@ -66,6 +69,7 @@ class PrefillService:
             heartbeat_loop(self.nc, ROLE, self.config.common.heartbeat_s, self._describe)))
 
     async def stop(self) -> None:
+        self.loop_lag.stop()
         await self.nc.drain()
         job_tasks = [job.task for job in self.jobs.values() if job.task is not None]
         for task in [*self._tasks, *job_tasks]:
@@ -93,7 +97,7 @@ class PrefillService:
         except PddError as exc:
             await bus.reply_error(msg, exc)
             return
-        prefix = self.cache.lock(req.prompt_ids[:-1]) if self.cache is not None else None
+        prefix = await self.cache.call(self.cache.tree.lock, req.prompt_ids[:-1]) if self.cache is not None else None
         job = PrefillJob(req, prefix, tracing.extract(msg.headers))
         self.metrics.prompt_tokens.inc(job.prompt_kv_tokens)
         self.metrics.cache_hit_tokens.inc(job.cached_tokens)
@@ -136,8 +140,8 @@ class PrefillService:
                 job.move(Phase.COMPUTING)
                 chunks: list[torch.Tensor] = []
                 if hit:
-                    chunks.append(self.cache.gather(job.prefix))
-                    job.prefix.release()  # the gathered copy is ours; the tree may evict now
+                    chunks.append(await self.cache.call(self.cache.tree.gather, job.prefix))
+                    self.cache.post(job.prefix.release)  # the gathered copy is ours; the tree may evict now
                     await self.prefiller.open(req.request_id, len(kv_ids), chunks[0])
                     await job.queue_kv((0, hit), chunks[0])
                 else:
@@ -160,7 +164,7 @@ class PrefillService:
                 self.prefiller.release(req.request_id)
                 if self.cache is not None and len(chunks) > (1 if hit else 0):
                     full_kv = await self.engine.run(_concat_tokens, chunks)
-                    self.cache.insert(kv_ids, full_kv)
+                    await self.cache.call(self.cache.tree.insert, kv_ids, full_kv)
                 results = await asyncio.gather(*(self._finish_transfer(job, t) for t in job.transfers))
                 for result in results:
                     span.add_event("kv_transfer", {"pdd.role": result.target.role, "pdd.kv_bytes": result.kv_bytes,
@@ -191,8 +195,8 @@ class PrefillService:
             await bus.publish(self.nc, events, RequestFailed(req.request_id, ROLE, code, str(exc)))
         finally:
             self.prefiller.release(req.request_id)  # idempotent: frees the prompt's KV once on every path
-            if job.prefix is not None:
-                job.prefix.release()
+            if job.prefix is not None and self.cache is not None:
+                self.cache.post(job.prefix.release)  # after any gather of it still on the worker
             for transfer in job.transfers:  # those that ended early: aborted, or the prefill failed
                 self._end_transfer_span(job, transfer, transfer.state, transfer.error)
             self.jobs.pop(req.request_id, None)

@@ -43,10 +43,10 @@ class RelayRole:
     def stats(self) -> dict[str, float]:
         return {"finished_without_main": self.finished_without_main}
 
-    def hold_prefix(self, assign: DecodeAssign) -> int:
+    async def hold_prefix(self, assign: DecodeAssign) -> int:
         return 0
 
-    def assemble_kv(self, request: DecodeRequest, received: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    async def assemble_kv(self, request: DecodeRequest, received: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (received,)
 
     async def settle(self, request: DecodeRequest, io: DecoderIO) -> None:

@@ -9,6 +9,8 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -82,7 +84,6 @@ class _Generation:
         self._events = run.tokens()
         self._text = OutputText(tokenizer, parsed.prompt_ids, parsed.stop)
         self._deadline = asyncio.get_running_loop().time() + config.request_timeout_s
-        self._token_timeout_s = config.token_timeout_s
         self._handoff_reported = False
         self.tokens_by_tier = {str(Role.RELAY): 0, str(Role.MAIN): 0}
         self.token_log: list[tuple[float, str]] = []  # (time.monotonic(), tier) of each token, for metrics
@@ -126,18 +127,16 @@ class _Generation:
         return _handoff_json(self.run.handoff)
 
     async def _next_event(self) -> TokenEvent:
-        loop = asyncio.get_running_loop()
-        request_left_s = self._deadline - loop.time()
-        wait_s = max(0.0, min(self._token_timeout_s, request_left_s))
+        """The next token. The run's stream enforces the next-token deadline, except while the request
+        waits for P (queued is not stalled); here only the request's own deadline is a backstop."""
+        request_left_s = self._deadline - asyncio.get_running_loop().time()
         try:
-            async with asyncio.timeout(wait_s):
+            async with asyncio.timeout(max(0.0, request_left_s)):
                 return await anext(self._events)
         except StopAsyncIteration:
             raise RequestAborted("the token stream ended without a finish reason") from None
         except TimeoutError:
-            what = "the request deadline passed" if request_left_s <= self._token_timeout_s else \
-                f"no token came within {self._token_timeout_s:g}s"
-            raise DeadlineExceeded(f"{self.run.request_id}: {what}") from None
+            raise DeadlineExceeded(f"{self.run.request_id}: the request deadline passed") from None
 
     async def close(self, reason: str) -> None:
         try:
@@ -146,6 +145,17 @@ class _Generation:
                 await aclose()
         finally:
             await self.run.close(reason)
+
+
+TOKENIZE_NICENESS = 10
+
+
+def lower_thread_priority() -> None:
+    """Run the calling thread at a lower CPU priority (Linux sets niceness per thread; elsewhere nothing)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TOKENIZE_NICENESS)
+    except (AttributeError, OSError) as exc:
+        log.debug("tokeniser threads keep their priority: %s", exc)
 
 
 # --- response shapes ---------------------------------------------------------------------------
@@ -241,8 +251,11 @@ class OpenAIHandlers:
         self._max_context_tokens = max_context_tokens
         self._max_prompt_bytes = max_context_tokens * config.max_prompt_bytes_per_token
         # The chat template and the tokeniser run here, not on the event loop: a big prompt would
-        # stall every stream (the fast tokeniser releases the GIL while it works).
-        self._tokenize_pool = ThreadPoolExecutor(max(1, config.tokenizer_threads), thread_name_prefix="tokenize")
+        # stall every stream (the fast tokeniser releases the GIL while it works). Each thread of the
+        # pool tokenises serially and at a lower CPU priority, so a huge prompt cannot take the cores
+        # from the model services that share the host with the gateway.
+        self._tokenize_pool = ThreadPoolExecutor(max(1, config.tokenizer_threads), thread_name_prefix="tokenize",
+                                                 initializer=lower_thread_priority)
         self._created = int(time.time())
 
     def close(self) -> None:

@@ -13,10 +13,10 @@ from shared.names import Role
 @dataclass
 class Instance:
     heartbeat: Heartbeat
-    last_seen: float
+    last_seen: float  # on the registry's clock
     in_flight: int = 0  # this gateway's requests on the instance now (exact, unlike the heartbeat)
     gone_at: float | None = None  # wall time NATS said nobody answers its ping: dead until it beats again
-    answered_at: float | None = None  # monotonic time its last ping was answered (both ways open)
+    answered_at: float | None = None  # registry clock time its last ping was answered (both ways open)
 
     @property
     def load(self) -> int:
@@ -29,11 +29,14 @@ class InstanceRegistry:
     """Live instances by role. An instance is alive while it is heard from: a fresh heartbeat, or a
     ping it answered lately (a busy instance whose beats lag is busy, not gone). It is dropped when
     both stop or its ping finds nobody (services/gateway/routing/liveness.py), and skipped for a
-    while when a call to it failed and its pings go unanswered too."""
+    while when a call to it failed and its pings go unanswered too. Ages are measured on `clock`:
+    the gateway passes its loop-lag clock (shared/loop_lag.py), so a heartbeat still unread because
+    the gateway's own loop was stalled never makes an instance look gone."""
 
     def __init__(self, stale_after_s: float, suspect_for_s: float = 5.0,
-                 on_gone: Callable[[str], None] | None = None) -> None:
+                 on_gone: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.stale_after_s = stale_after_s
+        self.clock = clock  # every age is measured on it: the gateway's stands still while its loop stalls
         self.suspect_for_s = suspect_for_s
         self._on_gone = on_gone  # told the id of an instance found dead (its caches died with it)
         self._instances: dict[str, Instance] = {}
@@ -44,7 +47,7 @@ class InstanceRegistry:
         if known is not None and known.gone_at is not None and heartbeat.sent_at <= known.gone_at:
             return  # sent before it died, arriving late
         self._instances[heartbeat.instance_id] = Instance(
-            heartbeat, time.monotonic(), known.in_flight if known else 0,
+            heartbeat, self.clock(), known.in_flight if known else 0,
             answered_at=known.answered_at if known else None)
 
     def mark_gone(self, instance_id: str) -> None:
@@ -58,11 +61,11 @@ class InstanceRegistry:
     def mark_answered(self, instance_id: str) -> None:
         instance = self._instances.get(instance_id)
         if instance is not None:
-            instance.answered_at = time.monotonic()
+            instance.answered_at = self.clock()
 
     def answering(self, role: Role, within_s: float) -> list[Instance]:
         """Live instances of `role` whose ping was answered within the last `within_s`."""
-        cutoff = time.monotonic() - within_s
+        cutoff = self.clock() - within_s
         return [i for i in self.alive(role) if i.answered_at is not None and i.answered_at >= cutoff]
 
     def get(self, instance_id: str) -> Instance | None:
@@ -72,11 +75,11 @@ class InstanceRegistry:
         """Its ping was answered within the last `within_s`: both ways open and the process serving."""
         instance = self._instances.get(instance_id)
         return (instance is not None and instance.gone_at is None and instance.answered_at is not None
-                and instance.answered_at >= time.monotonic() - within_s)
+                and instance.answered_at >= self.clock() - within_s)
 
     def watched(self) -> list[Instance]:
         """Instances believed alive (heard from lately, not gone), suspects included: the ones to ping."""
-        now = time.monotonic()
+        now = self.clock()
         return [i for i in self._instances.values() if self._heard(i, now)]
 
     def _heard(self, instance: Instance, now: float) -> bool:
@@ -91,17 +94,17 @@ class InstanceRegistry:
             instance.in_flight -= 1
 
     def suspect(self, instance_id: str) -> None:
-        self._suspect_until[instance_id] = time.monotonic() + self.suspect_for_s
+        self._suspect_until[instance_id] = self.clock() + self.suspect_for_s
 
     def alive(self, role: Role) -> list[Instance]:
-        now = time.monotonic()
+        now = self.clock()
         return [i for i in self._instances.values() if i.heartbeat.role == role and self._heard(i, now)
                 and self._suspect_until.get(i.heartbeat.instance_id, 0.0) <= now]
 
     def is_alive(self, instance_id: str) -> bool:
         """Heard from lately: heartbeats, or answered pings (a suspect instance may still be alive)."""
         instance = self._instances.get(instance_id)
-        return instance is not None and self._heard(instance, time.monotonic())
+        return instance is not None and self._heard(instance, self.clock())
 
     def pick(self, role: Role, score: Callable[[Instance], float] | None = None,
              avoid: Collection[str] = ()) -> Instance:

@@ -188,6 +188,13 @@ class RequestRun:
         except PddError as exc:
             log.warning("%s: dropped a malformed event: %s", self.request_id, exc)
 
+    @property
+    def waiting_for_prefill(self) -> bool:
+        """The current attempt has no token and P has not finished sending its KV: the request waits
+        in P's queue or is being computed. The next-token deadline does not run then; P's liveness
+        pings (a dead P is a lost tier) and the request deadline bound the wait."""
+        return self.attempt.prefill is None and len(self.token_ids) <= self.attempt.output_offset
+
     async def tokens(self) -> AsyncIterator[TokenEvent]:
         """Tokens in index order, each once; raises the failure of any tier it cannot recover from."""
         deadline = self.deadline_at
@@ -197,8 +204,11 @@ class RequestRun:
             if now >= deadline:
                 raise self._failed(DeadlineExceeded(f"{self.request_id}: the request deadline "
                                                     f"({self.config.request_timeout_s:g}s) passed"))
-            if now - last_event_at >= self.config.token_timeout_s:
-                raise self._failed(DeadlineExceeded(f"{self.request_id}: no token for {now - last_event_at:.1f}s"))
+            if self.waiting_for_prefill:
+                last_event_at = now  # queued or computing at P: waiting, not stalled (P's pings watch it)
+            elif now - last_event_at >= self.config.token_timeout_s:
+                raise self._failed(DeadlineExceeded(f"{self.request_id}: no token came within "
+                                                    f"{self.config.token_timeout_s:g}s"))
             if now >= next_check:  # also while tokens flow: RLD streaming says nothing of MD or P
                 next_check = now + WATCHDOG_S
                 await self._check_instances()

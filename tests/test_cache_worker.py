@@ -1,0 +1,86 @@
+"""Radix-cache work off the event loop: P's prefix cache and MD's DRC run every tree operation on
+one worker thread, in call order, and the loop keeps running meanwhile."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from services.main.drc import DecodeCache
+from shared.cache_worker import CacheWorker
+from shared.config import CacheConfig
+from shared.radix_cache import RadixCache
+
+LAYERS, HEADS, HEAD_DIM = 2, 2, 4
+
+
+def kv_for(ids: list[int]) -> torch.Tensor:
+    kv = torch.empty(LAYERS, 2, HEADS, len(ids), HEAD_DIM)
+    for t, tok in enumerate(ids):
+        kv[:, :, :, t, :] = tok + 1000.0 * t
+    return kv
+
+
+async def test_calls_run_on_the_worker_thread_in_order_and_posts_too() -> None:
+    worker = CacheWorker(RadixCache(1 << 20, 1 << 30), "test-cache")
+    seen: list[tuple[str, str]] = []
+
+    def record(tag: str) -> str:
+        seen.append((tag, threading.current_thread().name))
+        return tag
+
+    try:
+        worker.post(record, "posted-1")
+        assert await worker.call(record, "called") == "called"
+        worker.post(record, "posted-2")
+        assert await worker.call(record, "last") == "last"
+        assert [tag for tag, _ in seen] == ["posted-1", "called", "posted-2", "last"]
+        assert all(name.startswith("test-cache") for _, name in seen)
+        assert threading.current_thread().name not in {name for _, name in seen}
+    finally:
+        worker.close()
+
+
+async def test_an_error_in_a_call_reaches_the_caller_and_the_worker_goes_on() -> None:
+    worker = CacheWorker(RadixCache(1 << 20, 1 << 30), "test-cache")
+    try:
+        with pytest.raises(ValueError):
+            await worker.call(worker.tree.insert, [1, 2, 3], kv_for([1, 2]))  # KV for two tokens, three ids
+        assert await worker.call(worker.tree.insert, [1, 2, 3], kv_for([1, 2, 3])) == 3
+        assert worker.gauges()["cache_tokens"] == 3  # as the last call left the tree
+    finally:
+        worker.close()
+
+
+async def test_the_loop_runs_while_the_drc_inserts_and_gathers() -> None:
+    drc = DecodeCache(CacheConfig(tokens=1 << 20, kv_bytes=1 << 34))
+    ids = list(range(100, 4100))
+    kv = torch.randn(30, 2, 3, len(ids), 64)  # SmolLM2's shape: 4k tokens, ~190 MB in float32
+    ticks = 0
+    stop = asyncio.Event()
+
+    async def tick() -> None:
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            await asyncio.sleep(0)
+
+    ticker = asyncio.create_task(tick())
+    try:
+        await asyncio.sleep(0)
+        before = ticks
+        events = await drc.keep(ids, kv)
+        assert ticks > before  # the loop ran while the clone was made
+        assert events and events[0]["kind"] == "stored"
+        assert await drc.lock("req-1", ids + [7]) == len(ids)
+        before = ticks
+        parts = await drc.assemble("req-1", kv_for([5]))
+        assert ticks > before
+        assert torch.equal(parts[0], kv) and len(parts) == 2
+        assert drc.gauges()["locked_nodes"] == 0  # assembling released the lock
+    finally:
+        stop.set()
+        await ticker
+        drc.close()
