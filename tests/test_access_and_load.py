@@ -26,10 +26,9 @@ async def stack(tmp_path_factory):
     kv = ["--kv-secret-file", str(secrets_dir / "kv"), "--heartbeat-s", "0.25"]
     config = StackConfig(model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1,
                          pipeline="p-rld-md", startup_timeout_s=120,
+                         api_key_file=secrets_dir / "api", max_running_requests=MAX_RUNNING,  # pdd up's flags
                          extra_args={"prefill": kv, "relay": kv, "main": kv,
-                                     "gateway": ["--api-key-file", str(secrets_dir / "api"),
-                                                 "--max-running-requests", str(MAX_RUNNING),
-                                                 "--max-queued-requests", "0"]})  # refuse at once
+                                     "gateway": ["--max-queued-requests", "0"]})  # refuse at once
     async with LocalStack(config) as running:
         yield running
 

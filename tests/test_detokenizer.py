@@ -43,7 +43,8 @@ def test_deltas_concatenate_to_full_decode_for_random_ids(tokenizer, skip_specia
     @given(ids=_token_ids(tokenizer))
     def check(ids):
         deltas = _stream(tokenizer, ids, skip_special_tokens=skip_special_tokens)
-        assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        # all of it, but a character at the end whose bytes never completed
+        assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens).rstrip("\ufffd")
 
     check()
 
@@ -63,11 +64,11 @@ def test_character_split_across_tokens_is_held_back_until_complete(tokenizer):
     assert deltas[:-2] == [""] * (len(ids) - 1) and deltas[-2] == "😀" and deltas[-1] == ""
 
 
-def test_unfinished_character_at_the_end_is_flushed(tokenizer):
-    ids = tokenizer.encode("ok 😀", add_special_tokens=False)[:-1]
+def test_an_unfinished_character_at_the_end_is_held_back_for_good(tokenizer):
+    ids = tokenizer.encode("ok 😀", add_special_tokens=False)[:-1]  # a length cut inside the emoji
     deltas = _stream(tokenizer, ids)
-    assert "".join(deltas) == tokenizer.decode(ids)
-    assert deltas[-1].endswith("\ufffd")
+    assert tokenizer.decode(ids).endswith("\ufffd")
+    assert "".join(deltas) == "ok " and not any("\ufffd" in d for d in deltas)
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -177,9 +178,9 @@ def test_output_without_stop_strings_is_the_whole_decode(tokenizer):
     assert shown + end.text == text and not end.stopped
 
 
-def test_stop_string_is_found_in_text_released_at_finish(tokenizer):
+def test_an_unfinished_character_at_the_end_is_neither_shown_nor_matched(tokenizer):
     ids = tokenizer.encode("ab 😀", add_special_tokens=False)[:-1]  # ends inside the emoji
     out = OutputText(tokenizer, (), ["\ufffd"])
     shown = "".join(out.add_token(t).text for t in ids)
     end = out.finish()
-    assert shown + end.text == "ab " and end.stopped
+    assert shown + end.text == "ab " and not end.stopped

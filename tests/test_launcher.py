@@ -68,6 +68,17 @@ async def test_a_taken_port_is_refused_before_anything_starts(tmp_path: Path) ->
     assert stack.processes == {}
 
 
+def test_pdd_up_takes_the_gateways_api_key_and_running_limit_as_flags(tmp_path: Path) -> None:
+    from tools.cli import build_parser
+
+    ns = build_parser().parse_args(["up", "--api-key-file", str(tmp_path / "key"), "--max-running-requests", "3"])
+    config = StackConfig.from_namespace(ns)
+    assert (config.api_key_file, config.max_running_requests) == (tmp_path / "key", 3)
+    defaults = StackConfig.from_namespace(build_parser().parse_args(["up"]))
+    assert (defaults.api_key_file, defaults.max_running_requests) == (None, None)  # open, the gateway's limit
+    # that the gateway gets them, and enforces them, is tests/test_access_and_load.py's stack
+
+
 def _sse(tokens: list[tuple[str, str]], pipeline: str = "p-rld-md", handoff: dict | None = None) -> bytes:
     """One SSE event as the gateway sends it: text plus the "pdd" extension naming each token's tier."""
     ext: dict = {"tokens": [{"index": i, "tier": tier} for i, (_, tier) in enumerate(tokens)], "pipeline": pipeline}

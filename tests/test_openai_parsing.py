@@ -22,7 +22,7 @@ from services.gateway.run.request_run import GenerationRequest, TokenEvent
 from services.gateway.http.http_errors import error_middleware, error_payload
 from services.gateway.http.openai_api import OpenAIHandlers
 from services.gateway.http.request_parsing import (
-    InvalidParam, ModelNotFound, ParsedRequest, PayloadTooLarge, decode_json_body, parse_chat_request,
+    NOT_HONOURED, InvalidParam, ModelNotFound, ParsedRequest, PayloadTooLarge, decode_json_body, parse_chat_request,
     parse_completion_request,
 )
 from shared.config import CommonConfig, GatewayConfig
@@ -159,6 +159,61 @@ def test_bad_completion_prompts_are_refused(tokenizer, body):
     with pytest.raises(InvalidParam) as info:
         completion(tokenizer, body)
     assert info.value.param == "prompt"
+
+
+NOT_HONOURED_VALUES = {
+    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "functions": [{"name": "f"}],
+    "function_call": "auto", "response_format": {"type": "json_object"}, "logprobs": True, "top_logprobs": 2,
+    "echo": True, "suffix": "x", "presence_penalty": 0.5, "frequency_penalty": "x", "repetition_penalty": 1.2,
+    "logit_bias": {"50256": -100}, "min_p": 0.1, "min_tokens": 3, "stop_token_ids": [5], "include_stop_str_in_output": True,
+    "best_of": 2, "prompt_logprobs": 1, "prediction": {"type": "content", "content": "x"}, "audio": {"voice": "x"},
+    "modalities": ["text", "audio"], "web_search_options": {}, "reasoning_effort": "low", "guided_json": {},
+    "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= 'a'", "structured_outputs": {"json": {}},
+}
+
+
+def test_every_field_pdd_does_not_honour_is_listed_with_a_refused_value():
+    assert set(NOT_HONOURED_VALUES) == set(NOT_HONOURED)
+
+
+@pytest.mark.parametrize("name", sorted(NOT_HONOURED_VALUES))
+def test_a_field_pdd_does_not_honour_is_refused_naming_it_unless_it_asks_nothing(tokenizer, name):
+    for parse in (chat, completion):
+        base = {"messages": USER_HI} if parse is chat else {"prompt": "x"}
+        with pytest.raises(InvalidParam) as info:
+            parse(tokenizer, {**base, name: NOT_HONOURED_VALUES[name]})
+        assert info.value.param == name
+        for neutral in (None, *NOT_HONOURED[name]):
+            assert parse(tokenizer, {**base, name: neutral}).prompt_ids  # null or the default: served
+
+
+@pytest.mark.parametrize("message, param", [
+    ({"role": "tool", "content": "42", "tool_call_id": "c1"}, "messages[1].role"),
+    ({"role": "function", "content": "42", "name": "f"}, "messages[1].role"),
+    ({"role": "robot", "content": "hi"}, "messages[1].role"),
+    ({"role": "user"}, "messages[1].content"),
+    ({"role": "system", "content": None}, "messages[1].content"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}, "messages[1].tool_calls"),
+])
+def test_roles_and_message_shapes_are_checked(tokenizer, message, param):
+    with pytest.raises(InvalidParam) as info:
+        chat(tokenizer, {"messages": [*USER_HI, message]})
+    assert info.value.param == param
+
+
+def test_developer_and_empty_assistant_turns_are_served(tokenizer):
+    messages = [{"role": "developer", "content": "be brief"}, *USER_HI, {"role": "assistant", "content": None},
+                *USER_HI]
+    assert chat(tokenizer, {"messages": messages}).prompt_ids
+
+
+@pytest.mark.parametrize("body, param", [({"temperature": 2.01}, "temperature"), ({"temperature": -0.1}, "temperature"),
+                                         ({"top_p": 0}, "top_p"), ({"top_p": 1.01}, "top_p")])
+def test_sampling_ranges_are_openais_and_name_the_field(tokenizer, body, param):
+    with pytest.raises(InvalidParam) as info:
+        completion(tokenizer, {"prompt": "x", **body})
+    assert info.value.param == param
+    assert completion(tokenizer, {"prompt": "x", "temperature": 2.0, "top_p": 1.0}).sampling.temperature == 2.0
 
 
 def test_bad_sampling_values_are_refused(tokenizer):
@@ -449,6 +504,36 @@ async def test_models_lists_the_served_model(tokenizer):
     async with serve(FakeDispatcher(tokenizer), tokenizer) as url, openai_client(url) as client:
         models = await client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+
+
+async def test_one_model_by_id_and_a_fingerprint_in_every_response(tokenizer):
+    async with serve(FakeDispatcher(tokenizer, TEXT), tokenizer) as url, openai_client(url) as client:
+        model = await client.models.retrieve(MODEL)
+        with pytest.raises(openai.NotFoundError) as info:
+            await client.models.retrieve("gpt-4")
+        result = await client.chat.completions.create(model=MODEL, messages=USER_HI)
+        stream = await client.chat.completions.create(model=MODEL, messages=USER_HI, stream=True)
+        chunks = [chunk async for chunk in stream]
+    assert model.id == MODEL and info.value.code == "model_not_found"
+    assert result.system_fingerprint and result.system_fingerprint.startswith("pdd-")
+    assert {chunk.system_fingerprint for chunk in chunks} == {result.system_fingerprint}
+
+
+async def test_a_field_pdd_cannot_honour_is_a_400_naming_it_through_the_client(tokenizer):
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    async with serve(FakeDispatcher(tokenizer, TEXT), tokenizer) as url, openai_client(url) as client:
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model=MODEL, messages=USER_HI, tools=[tool], tool_choice="required")
+        assert info.value.param == "tools"
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model=MODEL, messages=USER_HI, response_format={"type": "json_object"})
+        assert info.value.param == "response_format"
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model=MODEL, messages=USER_HI, temperature=5)
+        assert info.value.param == "temperature"
+        result = await client.chat.completions.create(model=MODEL, messages=USER_HI, logprobs=False,
+                                                      presence_penalty=0, response_format={"type": "text"})
+    assert result.choices[0].message.content == TEXT  # the neutral values ask for nothing: served
 
 
 async def test_no_instance_is_503_with_retry_after(tokenizer):

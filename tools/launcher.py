@@ -242,6 +242,10 @@ class LocalStack:
             argv += ["--kv-secret-file", str(self.kv_secret_file)]
         if role == "gateway":
             argv += ["--host", c.host, "--port", str(self.port), "--pipeline", c.pipeline]
+            if c.api_key_file is not None:
+                argv += ["--api-key-file", str(c.api_key_file)]
+            if c.max_running_requests is not None:
+                argv += ["--max-running-requests", str(c.max_running_requests)]
         if self.nats_auth is not None:
             argv += nats_auth_argv(self.nats_auth)
         return argv + list(c.extra_args.get(role, ()))

@@ -68,6 +68,8 @@ class StackConfig:
     wan_control_port: int = 0  # two-dc: the emulator's control API port; 0 picks a free one
     nats_auth: bool = False  # our nats-server(s) demand a password and a client certificate (mutual TLS)
     kv_secret_file: Path | None = None  # the KV sockets' secret; None: a fresh one in log_dir/KV_SECRET_FILE
+    api_key_file: Path | None = None  # the gateway's API key (clients send it as a Bearer token); None: open
+    max_running_requests: int | None = None  # the gateway's limit before requests queue; None: its default
 
     def __post_init__(self) -> None:
         if self.topology not in TOPOLOGIES:
@@ -94,6 +96,11 @@ class StackConfig:
         parser.add_argument("--kv-secret-file", type=Path, default=None,
                             help="shared secret file for the KV sockets of P, RLD and MD (default: a fresh random "
                                  f"one in <log-dir>/{KV_SECRET_FILE})")
+        parser.add_argument("--api-key-file", type=Path, default=None,
+                            help="file holding the API key clients must send as a Bearer token (default: open)")
+        parser.add_argument("--max-running-requests", type=int, default=None,
+                            help="requests the gateway runs at once before new ones queue (default: the gateway's, "
+                                 "64; 0: no limit)")
         parser.add_argument("--log-dir", type=Path, default=d.log_dir, help="one log file per process")
         parser.add_argument("--log-level", default=d.log_level, help="log level of the services")
         parser.add_argument("--torch-threads", type=int, default=d.torch_threads,
@@ -124,7 +131,8 @@ class StackConfig:
             startup_timeout_s=ns.startup_timeout_s, topology=ns.topology,
             wan_bandwidth_mbps=ns.wan_bandwidth_mbps, wan_delay_ms=ns.wan_delay_ms,
             wan_jitter_ms=ns.wan_jitter_ms, wan_trace=ns.wan_trace, wan_control_port=ns.wan_control_port,
-            nats_auth=ns.nats_auth, kv_secret_file=ns.kv_secret_file,
+            nats_auth=ns.nats_auth, kv_secret_file=ns.kv_secret_file, api_key_file=ns.api_key_file,
+            max_running_requests=ns.max_running_requests,
         )
 
     @property

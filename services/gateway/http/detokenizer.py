@@ -24,7 +24,8 @@ class IncrementalDetokenizer:
 
     Decodes a small window ids[prefix_offset:] and emits what it adds over ids[prefix_offset:
     read_offset]; the window's left context keeps merges and leading spaces right. Text ending in
-    U+FFFD is held back: the next byte-level token usually completes the character.
+    U+FFFD is held back: the next byte-level token usually completes the character; at the end, an
+    incomplete one is dropped.
     """
 
     def __init__(self, tokenizer: Decoder, prompt_ids: Sequence[int] = (), *,
@@ -44,8 +45,9 @@ class IncrementalDetokenizer:
         return self._advance(hold_incomplete=True)
 
     def flush(self) -> str:
-        """No more tokens will come: return whatever is still held back, U+FFFD included."""
-        return self._advance(hold_incomplete=False)
+        """No more tokens will come: return what is still held back, less a character at the end whose
+        bytes never completed (a length cut inside an emoji ends the text before it, not with U+FFFD)."""
+        return self._advance(hold_incomplete=False).rstrip(REPLACEMENT_CHAR)
 
     def _advance(self, *, hold_incomplete: bool) -> str:
         prefix_text = self._decode(self._prefix_offset, self._read_offset)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import importlib.metadata
 import logging
 import os
 import threading
@@ -27,6 +28,7 @@ from services.gateway.http.client_watch import ClientWatch, client_gone
 from services.gateway.http.detokenizer import OutputText
 from services.gateway.http.http_errors import error_payload
 from services.gateway.http.request_parsing import (
+    ModelNotFound,
     ParsedRequest,
     check_prompt_bytes,
     decode_json_body,
@@ -150,6 +152,16 @@ class _Generation:
 TOKENIZE_NICENESS = 10
 
 
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("pdd")
+    except importlib.metadata.PackageNotFoundError:
+        return "dev"
+
+
+SYSTEM_FINGERPRINT = f"pdd-{_package_version()}"  # in every response, as OpenAI's; changes with pdd's version
+
+
 def lower_thread_priority() -> None:
     """Run the calling thread at a lower CPU priority (Linux sets niceness per thread; elsewhere nothing)."""
     try:
@@ -178,7 +190,8 @@ class _Shapes:
     include_usage: bool
 
     def _head(self, object_name: str) -> Json:
-        return {"id": self.response_id, "object": object_name, "created": self.created, "model": self.model}
+        return {"id": self.response_id, "object": object_name, "created": self.created, "model": self.model,
+                "system_fingerprint": SYSTEM_FINGERPRINT}
 
     def _chunk(self, choices: list[Json]) -> Json:
         chunk = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": choices}
@@ -266,6 +279,7 @@ class OpenAIHandlers:
             web.post("/v1/chat/completions", self.chat_completions),
             web.post("/v1/completions", self.completions),
             web.get("/v1/models", self.models),
+            web.get("/v1/models/{model_id:.+}", self.model),
         ]
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -277,9 +291,18 @@ class OpenAIHandlers:
         return await self._serve(request, parsed)
 
     async def models(self, request: web.Request) -> web.Response:
-        model = {"id": self._served_model, "object": "model", "created": self._created, "owned_by": "pdd",
-                 "max_model_len": self._max_context_tokens}
-        return _json_response({"object": "list", "data": [model]})
+        return _json_response({"object": "list", "data": [self._model_object()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        model_id = request.match_info["model_id"]
+        if model_id != self._served_model:
+            raise ModelNotFound("model", f"model {model_id!r} does not exist; this server serves "
+                                         f"{self._served_model!r}")
+        return _json_response(self._model_object())
+
+    def _model_object(self) -> Json:
+        return {"id": self._served_model, "object": "model", "created": self._created, "owned_by": "pdd",
+                "max_model_len": self._max_context_tokens}
 
     async def _parse(self, request: web.Request, kind: str,
                      parse: Callable[..., ParsedRequest]) -> ParsedRequest:

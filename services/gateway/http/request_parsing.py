@@ -25,6 +25,20 @@ if TYPE_CHECKING:
 MAX_STOP_STRINGS = 4
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # ints travel to the workers as JSON, which orjson caps at 64 bits
 PDD_EXTENSION_FIELDS = ("pipeline", "handoff_at", "md_kv_delay_ms", "handoff_mode", "failure_policy")
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+# Fields of OpenAI's (and vLLM's) request bodies that pdd does not honour yet, each with the values
+# that ask for nothing (None, or the field's default). Any other value is refused with a 400 naming
+# the field: a client must never get prose where it asked for a tool call, JSON or logprobs.
+NOT_HONOURED: dict[str, tuple[object, ...]] = {
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "response_format": ({"type": "text"},), "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,),
+    "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+    "logit_bias": ({},), "min_p": (0,), "min_tokens": (0,), "stop_token_ids": ([],),
+    "include_stop_str_in_output": (False,), "best_of": (1,), "prompt_logprobs": (0,), "prediction": (),
+    "audio": (), "modalities": (["text"],), "web_search_options": (), "reasoning_effort": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+}
 
 
 class InvalidParam(BadRequest):
@@ -106,7 +120,31 @@ def _request_object(body: object, served_model: str) -> Mapping[str, object]:
     # Lenient where OpenAI is strict: a missing model means the one we serve.
     if model is not None and model != served_model:
         raise ModelNotFound("model", f"model {model!r} does not exist; this server serves {served_model!r}")
+    for name, neutral in NOT_HONOURED.items():
+        if not _asks_nothing(body.get(name), neutral):
+            raise InvalidParam(name, f"{name} is not supported by this server yet; leave it out (or at "
+                                     f"{_spelled(neutral)})")
     return body
+
+
+def _asks_nothing(value: object, neutral: tuple[object, ...]) -> bool:
+    """None, or one of the neutral values (numbers by value, never a bool for a number)."""
+    if value is None:
+        return True
+    for n in neutral:
+        if isinstance(n, bool) or isinstance(value, bool):
+            if value is n:
+                return True
+        elif isinstance(n, (int, float)) and isinstance(value, (int, float)):
+            if value == n:
+                return True
+        elif type(value) is type(n) and value == n:
+            return True
+    return False
+
+
+def _spelled(neutral: tuple[object, ...]) -> str:
+    return " or ".join(["null", *(orjson.dumps(n).decode() for n in neutral)])
 
 
 def _chat_prompt_ids(messages: object, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -126,8 +164,16 @@ def _chat_message(message: object, i: int) -> dict[str, str]:
     role = message.get("role")
     if not isinstance(role, str) or not role:
         raise InvalidParam(f"messages[{i}].role", f"messages[{i}].role must be a non-empty string")
+    if role in ("tool", "function"):
+        raise InvalidParam(f"messages[{i}].role", f"messages[{i}]: {role} messages need tool calling, which this "
+                                                  "server does not support yet")
+    if role not in CHAT_ROLES:
+        raise InvalidParam(f"messages[{i}].role", f"messages[{i}].role must be one of {list(CHAT_ROLES)}")
+    if message.get("tool_calls") not in (None, []):
+        raise InvalidParam(f"messages[{i}].tool_calls", f"messages[{i}].tool_calls: tool calling is not "
+                                                        "supported by this server yet")
     content = message.get("content")
-    if content is None:  # an assistant turn that only called tools
+    if content is None and role == "assistant":  # an empty assistant turn
         return {"role": role, "content": ""}
     if isinstance(content, str):
         return {"role": role, "content": content}
@@ -184,7 +230,11 @@ def _parse_generation(fields: Mapping[str, object], kind: str, prompt_ids: list[
     seed = _int(fields, "seed", minimum=INT64_MIN)
     top_k = _int(fields, "top_k", minimum=-1)
     temperature = _number(fields, "temperature")
+    if temperature is not None and not 0.0 <= temperature <= MAX_TEMPERATURE:
+        raise InvalidParam("temperature", f"temperature must be between 0 and {MAX_TEMPERATURE:g}")
     top_p = _number(fields, "top_p")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise InvalidParam("top_p", "top_p must be greater than 0 and at most 1")
     sampling = SamplingParams(
         max_tokens=_max_tokens(fields, len(prompt_ids), config, max_context_tokens),
         temperature=1.0 if temperature is None else temperature,

@@ -1,0 +1,80 @@
+"""The kernels under one decode step, alone: what bounds the engine on this machine.
+
+Memory bandwidth (sum and copy of 200 MB), the linears of one SmolLM2 forward (30 layers' q, k, v,
+o, gate, up, down and the tied LM head) at a few row counts in float32 and bfloat16, and one
+query token's attention over 512 positions (SDPA in each dtype, and bfloat16 upcast to float32 as
+the engine does it). Nothing of pdd is imported: these are torch's kernels as the engine calls them.
+
+    .venv/bin/python scripts/bench_kernels.py --threads 1
+    .venv/bin/python scripts/bench_kernels.py --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+# SmolLM2-135M: hidden 576, 9 query heads and 3 KV heads of 64, MLP 1536, 30 layers, vocab 49152
+LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+SHAPES = LAYER * 30 + [(49152, 576)]
+
+
+def per_call_s(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t0) / repeats
+
+
+def bandwidth() -> None:
+    a = torch.empty(50_000_000)
+    b = torch.empty_like(a)
+    a.normal_()
+    print(f"sum of 200 MB: {200e6 / per_call_s(a.sum, 5) / 1e9:.0f} GB/s; "
+          f"copy of 200 MB: {400e6 / per_call_s(lambda: b.copy_(a), 5) / 1e9:.0f} GB/s (read + write)")
+
+
+def linears(rows: list[int]) -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        weights = [torch.randn(out, inp).to(dtype) for out, inp in SHAPES]
+        nbytes = sum(w.numel() * w.element_size() for w in weights)
+        for m in rows:
+            x = {n: torch.randn(m, n).to(dtype) for n in (576, 1536)}
+            s = per_call_s(lambda: [F.linear(x[w.shape[1]], w) for w in weights], 5)
+            print(f"linears of one forward, {str(dtype)[6:]:8} M={m:3}: {s * 1e3:6.1f} ms "
+                  f"({nbytes / s / 1e9:5.1f} GB/s of weights)")
+
+
+def attention(positions: int) -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(1, 9, 1, 64).to(dtype)
+        k = torch.randn(1, 3, positions + 128, 64).to(dtype).narrow(2, 0, positions)  # a view, as in SequenceKV
+        v = torch.randn(1, 3, positions + 128, 64).to(dtype).narrow(2, 0, positions)
+        sdpa = per_call_s(lambda: F.scaled_dot_product_attention(q, k, v, scale=0.125, enable_gqa=True), 200)
+        line = f"one query token over {positions} positions, {str(dtype)[6:]:8}: SDPA {sdpa * 1e6:5.0f} us"
+        if dtype != torch.float32:
+            upcast = per_call_s(lambda: F.scaled_dot_product_attention(
+                q.float(), k.float(), v.float(), scale=0.125, enable_gqa=True).to(dtype), 200)
+            line += f"; upcast to float32 {upcast * 1e6:5.0f} us"
+        print(line)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rows", default="1,16", help="row counts (decode batch sizes) for the linears")
+    p.add_argument("--positions", type=int, default=512)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} threads")
+    bandwidth()
+    linears([int(r) for r in args.rows.split(",")])
+    attention(args.positions)
+
+
+if __name__ == "__main__":
+    main()
