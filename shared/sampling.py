@@ -1,7 +1,9 @@
 """Sampling parameters and a sampler whose random draw depends only on (seed, token index).
 
 Because the draw for token i is a pure function of the request's seed and i, a seeded request
-yields the same tokens whichever tier (RLD or MD) happens to produce token i.
+yields the same tokens whichever tier (RLD or MD) happens to produce token i. The same holds for
+what depends on i alone: `min_tokens` keeps every token that would end the answer out of
+positions below it.
 """
 from __future__ import annotations
 
@@ -21,8 +23,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)  # end the answer, unless ignore_eos
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # the client's: always end it
     ignore_eos: bool = False
+    min_tokens: int = 0  # no token that would end the answer at output positions below this
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -33,6 +37,8 @@ class SamplingParams:
             raise BadRequest("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise BadRequest("top_k must be 0 (off) or positive")
+        if self.min_tokens < 0:
+            raise BadRequest("min_tokens must be 0 or positive")
 
     @property
     def greedy(self) -> bool:
@@ -40,15 +46,26 @@ class SamplingParams:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
         d["stop_token_ids"] = list(self.stop_token_ids)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:
-        return cls(**{**d, "stop_token_ids": tuple(d.get("stop_token_ids", ()))})
+        return cls(**{**d, "eos_token_ids": tuple(d.get("eos_token_ids", ())),
+                      "stop_token_ids": tuple(d.get("stop_token_ids", ()))})
+
+    @property
+    def ending_token_ids(self) -> tuple[int, ...]:
+        """The tokens that end the answer."""
+        return self.stop_token_ids if self.ignore_eos else (*self.eos_token_ids, *self.stop_token_ids)
 
     def is_stop(self, token_id: int) -> bool:
-        return not self.ignore_eos and token_id in self.stop_token_ids
+        return token_id in self.stop_token_ids or (not self.ignore_eos and token_id in self.eos_token_ids)
+
+    def holds_back_endings(self, token_index: int) -> bool:
+        """Output position `token_index` may not end the answer (it is below min_tokens)."""
+        return token_index < self.min_tokens and bool(self.ending_token_ids)
 
 
 def _draw_seed(seed: int, token_index: int) -> int:
@@ -57,7 +74,8 @@ def _draw_seed(seed: int, token_index: int) -> int:
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, token_index: int) -> int:
-    """Pick the token at absolute output position `token_index` from last-position logits [vocab]."""
+    """Pick the token at absolute output position `token_index` from last-position logits [vocab]
+    (min_tokens is sample_tokens' to apply, for all rows at once)."""
     if params.greedy:
         return int(torch.argmax(logits).item())
     scores = logits.float() / params.temperature
@@ -77,6 +95,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, token_index: int)
 
 def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], token_indices: Sequence[int]) -> list[int]:
     """sample_token for every row of logits [rows, vocab]; greedy rows in one argmax and one device sync."""
+    logits = _without_early_endings(logits, params, token_indices)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     tokens = [0] * len(params)
     if greedy:
@@ -87,3 +106,16 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], token_
         if not p.greedy:
             tokens[i] = sample_token(logits[i], p, index)
     return tokens
+
+
+def _without_early_endings(logits: torch.Tensor, params: Sequence[SamplingParams],
+                           token_indices: Sequence[int]) -> torch.Tensor:
+    """The logits with every ending token at -inf in rows whose position is below min_tokens."""
+    held = [(row, p.ending_token_ids) for row, (p, index) in enumerate(zip(params, token_indices))
+            if p.holds_back_endings(index)]
+    if not held:
+        return logits
+    logits = logits.clone()
+    for row, ending in held:
+        logits[row, list(ending)] = float("-inf")
+    return logits

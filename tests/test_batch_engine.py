@@ -47,7 +47,7 @@ def prompt_kv(runner: ModelRunner, prompt_ids: list[int]) -> list[torch.Tensor]:
 
 
 def sequence(runner: ModelRunner, key: str, prompt_ids: list[int], max_tokens: int) -> DecodeSequence:
-    sampling = SamplingParams(max_tokens=max_tokens, stop_token_ids=(runner.config.eos_token_id,))
+    sampling = SamplingParams(max_tokens=max_tokens, eos_token_ids=(runner.config.eos_token_id,))
     return DecodeSequence(key, prompt_ids, sampling, runner.max_context_tokens)
 
 

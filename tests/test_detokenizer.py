@@ -121,6 +121,13 @@ def test_earliest_of_several_stop_strings_wins():
     assert _feed(["world", "lo"], ["hello world"]) == ("hel", True)
 
 
+def test_include_stop_str_in_output_ends_the_text_with_the_stop_string():
+    f = StopStringFilter(["</answer>", "END"], include=True)
+    assert f.feed("42 </ans") == "42 " and f.feed("wer> more") == "</answer>" and f.stopped
+    f = StopStringFilter(["ab", "a"], include=True)  # two at one place: the first listed
+    assert f.feed("xab") == "xab"
+
+
 def test_stop_string_at_the_very_start_gives_empty_text():
     assert _feed(["\n"], ["\nrest"]) == ("", True)
 

@@ -62,7 +62,7 @@ def test_chat_request_renders_the_chat_template(tokenizer):
     expected = tokenizer.apply_chat_template(USER_HI, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert list(parsed.prompt_ids) == expected and parsed.kind == "chat"
     assert parsed.sampling.temperature == 1.0 and parsed.sampling.top_p == 1.0 and parsed.sampling.top_k == 0
-    assert parsed.sampling.stop_token_ids == (tokenizer.eos_token_id,)
+    assert parsed.sampling.eos_token_ids == (tokenizer.eos_token_id,) and parsed.sampling.stop_token_ids == ()
     assert parsed.sampling.max_tokens == CONFIG.default_max_tokens
     assert not parsed.stream and not parsed.include_usage and parsed.stop == ()
     assert parsed.pipeline is None and parsed.handoff_at is None and parsed.md_kv_delay_s == 0.0
@@ -165,8 +165,7 @@ NOT_HONOURED_VALUES = {
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "functions": [{"name": "f"}],
     "function_call": "auto", "response_format": {"type": "json_object"}, "logprobs": True, "top_logprobs": 2,
     "echo": True, "suffix": "x", "presence_penalty": 0.5, "frequency_penalty": "x", "repetition_penalty": 1.2,
-    "logit_bias": {"50256": -100}, "min_p": 0.1, "min_tokens": 3, "stop_token_ids": [5], "include_stop_str_in_output": True,
-    "best_of": 2, "prompt_logprobs": 1, "prediction": {"type": "content", "content": "x"}, "audio": {"voice": "x"},
+    "logit_bias": {"50256": -100}, "min_p": 0.1, "best_of": 2, "prompt_logprobs": 1, "prediction": {"type": "content", "content": "x"}, "audio": {"voice": "x"},
     "modalities": ["text", "audio"], "web_search_options": {}, "reasoning_effort": "low", "guided_json": {},
     "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= 'a'", "structured_outputs": {"json": {}},
 }
@@ -214,6 +213,27 @@ def test_sampling_ranges_are_openais_and_name_the_field(tokenizer, body, param):
         completion(tokenizer, {"prompt": "x", **body})
     assert info.value.param == param
     assert completion(tokenizer, {"prompt": "x", "temperature": 2.0, "top_p": 1.0}).sampling.temperature == 2.0
+
+
+def test_stop_token_ids_min_tokens_and_include_stop_str_are_parsed(tokenizer):
+    parsed = completion(tokenizer, {"prompt": "x", "stop_token_ids": [5, 9, 5], "min_tokens": 3, "max_tokens": 8,
+                                    "include_stop_str_in_output": True, "stop": "END"})
+    assert parsed.sampling.stop_token_ids == (5, 9) and parsed.sampling.min_tokens == 3
+    assert parsed.include_stop and parsed.stop == ("END",)
+    plain = completion(tokenizer, {"prompt": "x"})
+    assert (plain.sampling.stop_token_ids, plain.sampling.min_tokens, plain.include_stop) == ((), 0, False)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"stop_token_ids": 5}, "stop_token_ids"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": [10**9]}, "stop_token_ids"), ({"stop_token_ids": [True]}, "stop_token_ids"),
+    ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+    ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+])
+def test_bad_stop_and_min_tokens_values_name_their_field(tokenizer, body, param):
+    with pytest.raises(InvalidParam) as info:
+        completion(tokenizer, {"prompt": "x", **body})
+    assert info.value.param == param
 
 
 def test_bad_sampling_values_are_refused(tokenizer):

@@ -95,6 +95,31 @@ async def test_seeded_sampling_gives_the_same_tokens_on_every_tier(stack, sessio
     assert other_seed.token_ids != md_only.token_ids
 
 
+async def test_stop_token_ids_and_min_tokens_give_the_same_answer_on_every_tier(stack, session, prompts,
+                                                                                 tiny_tokenizer, tiny_generate):
+    """The client's stop token ends the answer where it first comes, shown, whichever tier makes it;
+    with min_tokens past that place it is kept out of the early positions, on RLD and MD alike."""
+    prompt_ids = fresh(tiny_tokenizer, "stop ids", prompts[3])
+    greedy = tiny_generate(prompt_ids, 40)
+    stop_id = greedy[12]
+    first = greedy.index(stop_id)
+
+    def body(pipeline: str, **extra) -> dict:
+        handoff = {"handoff_at": 5} if pipeline == "p-rld-md" else {}
+        return {"prompt": prompt_ids, "max_tokens": 40, "temperature": 0, "stop_token_ids": [stop_id],
+                "pdd": {"pipeline": pipeline, **handoff}, **extra}
+
+    for pipeline in ("p-md", "p-rld-md"):
+        result = await stream_completion(session, stack.api_url, body(pipeline))
+        assert result.token_ids == greedy[:first + 1] and result.finish_reason == "stop", pipeline
+        assert result.text == tiny_tokenizer.decode(greedy[:first + 1], skip_special_tokens=True)
+    held = [await stream_completion(session, stack.api_url, body(pipeline, min_tokens=first + 3))
+            for pipeline in ("p-md", "p-rld-md")]
+    assert held[0].token_ids == held[1].token_ids
+    assert stop_id not in held[0].token_ids[:first + 3] and len(held[0].token_ids) >= first + 3
+    assert held[1].tiers[:5] == ["relay"] * 5 and "main" in held[1].tiers
+
+
 async def test_openai_client_works_streamed_and_not(stack, tiny_tokenizer, tiny_generate):
     client = openai.AsyncOpenAI(base_url=stack.api_url + "/v1", api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": "Name a colour."}]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from shared.errors import BadRequest
-from shared.sampling import SamplingParams, sample_token
+from shared.sampling import SamplingParams, sample_token, sample_tokens
 from services.relay.handoff import HandoffMode, HandoffPlan, Step, choose_mode
 
 
@@ -30,7 +30,33 @@ def test_top_p_keeps_only_the_nucleus() -> None:
     assert {sample_token(logits, params, i) for i in range(50)} <= {0, 1}
 
 
-@pytest.mark.parametrize("kwargs", [{"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_k": -2}])
+def test_the_clients_stop_tokens_end_the_answer_even_when_eos_is_ignored() -> None:
+    params = SamplingParams(eos_token_ids=(2,), stop_token_ids=(7,))
+    assert params.is_stop(2) and params.is_stop(7) and not params.is_stop(3)
+    ignoring = SamplingParams(eos_token_ids=(2,), stop_token_ids=(7,), ignore_eos=True)
+    assert not ignoring.is_stop(2) and ignoring.is_stop(7)
+    assert SamplingParams.from_dict(params.to_dict()) == params
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_keeps_ending_tokens_out_of_early_positions_whatever_the_batch(temperature: float) -> None:
+    logits = torch.full((3, 10), -5.0)
+    logits[:, 2] = 30.0  # EOS is by far the likeliest token
+    logits[:, 7] = 9.0  # then the client's stop token
+    params = SamplingParams(temperature=temperature, seed=1, eos_token_ids=(2,), stop_token_ids=(7,), min_tokens=4)
+    other = SamplingParams(temperature=temperature, seed=1)  # no min_tokens, in the same batch
+    # rows at positions 3 (held back), 4 (free) and, for another request, 3 (free)
+    tokens = sample_tokens(logits, [params, params, other], [3, 4, 3])
+    assert tokens[0] not in (2, 7) and tokens[1] == 2 and tokens[2] == 2
+    # a row's token depends on its params and position only, not on what shares the step
+    assert sample_tokens(logits[:1], [params], [3]) == tokens[:1]
+    ignoring = SamplingParams(temperature=temperature, seed=1, eos_token_ids=(2,), stop_token_ids=(7,),
+                              min_tokens=4, ignore_eos=True)
+    assert sample_tokens(logits[:1], [ignoring], [3]) == [2]  # EOS ends nothing then: not held back
+
+
+@pytest.mark.parametrize("kwargs", [{"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_k": -2},
+                                    {"min_tokens": -1}])
 def test_bad_sampling_parameters_are_refused(kwargs: dict) -> None:
     with pytest.raises(BadRequest):
         SamplingParams(**kwargs)

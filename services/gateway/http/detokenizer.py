@@ -62,12 +62,14 @@ class IncrementalDetokenizer:
 
 
 class StopStringFilter:
-    """Holds back text that could begin a stop string; cuts the text before the first one found."""
+    """Holds back text that could begin a stop string; cuts the text before the first one found
+    (after it with `include`: vLLM's include_stop_str_in_output)."""
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], include: bool = False) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self._stop = tuple(stop)
+        self._include = include
         self._pending = ""
         self.stopped = False
 
@@ -76,10 +78,11 @@ class StopStringFilter:
         if self.stopped:
             return ""
         self._pending += text
-        cut = min((i for i in (self._pending.find(s) for s in self._stop) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, n, len(stop)) for n, stop in enumerate(self._stop) if (i := self._pending.find(stop)) >= 0]
+        if found:  # the earliest; at one place, the first listed
+            cut, _, length = min(found)
             self.stopped = True
-            shown, self._pending = self._pending[:cut], ""
+            shown, self._pending = self._pending[:cut + (length if self._include else 0)], ""
             return shown
         hold = self._longest_stop_prefix_suffix()
         shown = self._pending[:len(self._pending) - hold]
@@ -111,9 +114,9 @@ class OutputText:
     """One request's output text: detokenises each token, then applies the stop strings."""
 
     def __init__(self, tokenizer: Decoder, prompt_ids: Sequence[int] = (), stop: Sequence[str] = (), *,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, include_stop: bool = False) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
-        self._stop = StopStringFilter(stop)
+        self._stop = StopStringFilter(stop, include_stop)
 
     @property
     def stopped(self) -> bool:

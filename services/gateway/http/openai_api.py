@@ -84,7 +84,9 @@ class _Generation:
                  config: GatewayConfig) -> None:
         self.run = run
         self._events = run.tokens()
-        self._text = OutputText(tokenizer, parsed.prompt_ids, parsed.stop)
+        self._text = OutputText(tokenizer, parsed.prompt_ids, parsed.stop, include_stop=parsed.include_stop)
+        # a client's stop_token_ids are shown, as vLLM shows them (a special token's text is empty anyway)
+        self._shown_stop_ids = frozenset(parsed.sampling.stop_token_ids) - frozenset(parsed.sampling.eos_token_ids)
         self._deadline = asyncio.get_running_loop().time() + config.request_timeout_s
         self._handoff_reported = False
         self.tokens_by_tier = {str(Role.RELAY): 0, str(Role.MAIN): 0}
@@ -100,8 +102,8 @@ class _Generation:
         event = await self._next_event()
         self.token_log.append((time.monotonic(), event.tier))
         self.tokens_by_tier[event.tier] = self.tokens_by_tier.get(event.tier, 0) + 1
-        if event.finish_reason == "stop":
-            # A stop token ends the text without showing it, as OpenAI and vLLM do.
+        if event.finish_reason == "stop" and event.token_id not in self._shown_stop_ids:
+            # EOS ends the text without showing it, as OpenAI and vLLM do.
             delta = self._text.finish()
             text, finish = delta.text, "stop"
         else:

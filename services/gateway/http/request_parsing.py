@@ -34,8 +34,7 @@ NOT_HONOURED: dict[str, tuple[object, ...]] = {
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "response_format": ({"type": "text"},), "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,),
     "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
-    "logit_bias": ({},), "min_p": (0,), "min_tokens": (0,), "stop_token_ids": ([],),
-    "include_stop_str_in_output": (False,), "best_of": (1,), "prompt_logprobs": (0,), "prediction": (),
+    "logit_bias": ({},), "min_p": (0,), "best_of": (1,), "prompt_logprobs": (0,), "prediction": (),
     "audio": (), "modalities": (["text"],), "web_search_options": (), "reasoning_effort": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
 }
@@ -63,6 +62,7 @@ class ParsedRequest:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
     stop: tuple[str, ...]
+    include_stop: bool  # include_stop_str_in_output: the text ends with the stop string that ended it
     stream: bool
     include_usage: bool
     pipeline: Pipeline | None
@@ -235,18 +235,25 @@ def _parse_generation(fields: Mapping[str, object], kind: str, prompt_ids: list[
     top_p = _number(fields, "top_p")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise InvalidParam("top_p", "top_p must be greater than 0 and at most 1")
+    max_tokens = _max_tokens(fields, len(prompt_ids), config, max_context_tokens)
+    min_tokens = _int(fields, "min_tokens", minimum=0) or 0
+    if min_tokens > max_tokens:
+        raise InvalidParam("min_tokens", f"min_tokens={min_tokens} is more than max_tokens={max_tokens}")
     sampling = SamplingParams(
-        max_tokens=_max_tokens(fields, len(prompt_ids), config, max_context_tokens),
+        max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
         top_k=0 if top_k in (None, -1) else top_k,  # vLLM spells "off" as -1, we as 0
         # A drawn seed rather than none: the tiers then sample the same token at each index.
         seed=secrets.randbits(63) if seed is None else seed,
-        stop_token_ids=() if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),),
+        eos_token_ids=() if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),),
+        stop_token_ids=_stop_token_ids(fields.get("stop_token_ids"), len(tokenizer)),
         ignore_eos=_bool(fields, "ignore_eos"),
+        min_tokens=min_tokens,
     )
     return ParsedRequest(
         kind=kind, prompt_ids=tuple(prompt_ids), sampling=sampling, stop=_stop_strings(fields.get("stop")),
+        include_stop=_bool(fields, "include_stop_str_in_output"),
         stream=stream, include_usage=stream and _bool(stream_options, "include_usage", "stream_options."),
         pipeline=pipeline, handoff_at=handoff_at, md_kv_delay_s=md_kv_delay_s, handoff_mode=handoff_mode,
         failure_policy=failure_policy,
@@ -264,6 +271,15 @@ def _max_tokens(fields: Mapping[str, object], prompt_tokens: int, config: Gatewa
         raise InvalidParam(name, f"{name}={requested} plus the prompt's {prompt_tokens} tokens exceeds this "
                                  f"model's context of {max_context_tokens} tokens")
     return requested
+
+
+def _stop_token_ids(ids: object, vocab_size: int) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+                                            for t in ids):
+        raise InvalidParam("stop_token_ids", f"stop_token_ids must be a list of token ids in [0, {vocab_size})")
+    return tuple(dict.fromkeys(ids))
 
 
 def _stop_strings(stop: object) -> tuple[str, ...]:
