@@ -166,7 +166,7 @@ NOT_HONOURED_VALUES = {
     "function_call": "auto", "response_format": {"type": "json_object"}, "logprobs": True, "top_logprobs": 2,
     "echo": True, "suffix": "x", "presence_penalty": 0.5, "frequency_penalty": "x", "repetition_penalty": 1.2,
     "logit_bias": {"50256": -100}, "min_p": 0.1, "best_of": 2, "prompt_logprobs": 1, "prediction": {"type": "content", "content": "x"}, "audio": {"voice": "x"},
-    "modalities": ["text", "audio"], "web_search_options": {}, "reasoning_effort": "low", "guided_json": {},
+    "modalities": ["text", "audio"], "web_search_options": {}, "reasoning_effort": "low", "verbosity": "low", "guided_json": {},
     "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= 'a'", "structured_outputs": {"json": {}},
 }
 

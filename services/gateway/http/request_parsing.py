@@ -35,7 +35,7 @@ NOT_HONOURED: dict[str, tuple[object, ...]] = {
     "response_format": ({"type": "text"},), "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,),
     "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
     "logit_bias": ({},), "min_p": (0,), "best_of": (1,), "prompt_logprobs": (0,), "prediction": (),
-    "audio": (), "modalities": (["text"],), "web_search_options": (), "reasoning_effort": (),
+    "audio": (), "modalities": (["text"],), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
 }
 
