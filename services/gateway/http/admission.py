@@ -19,7 +19,9 @@ from aiohttp import web
 
 from shared.errors import DeadlineExceeded, PddError
 
-CLIENT_CHECK_S = 0.25  # how often a queued request looks for its client (aiohttp does not cancel the handler)
+# how often a waiting request looks at its client's connection (aiohttp does not cancel the handler):
+# a client gone is noticed well within a second, queued (here) or waiting for its first token (client_watch)
+CLIENT_CHECK_S = 0.25
 RUN_S_GUESS = 1.0  # a request's duration until one has been measured
 RUN_S_WEIGHT = 0.2  # weight of the newest duration in the moving mean
 

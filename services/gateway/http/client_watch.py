@@ -7,9 +7,7 @@ from types import TracebackType
 
 from aiohttp import web
 
-from services.gateway.http.admission import ClientLeft
-
-CLIENT_CHECK_S = 0.25  # how often the connection is looked at: a client gone is noticed well within 1 s
+from services.gateway.http.admission import CLIENT_CHECK_S, ClientLeft
 
 
 def client_gone(request: web.Request) -> bool:
