@@ -356,13 +356,15 @@ class GatewayConfig:
     tokenizer_threads: int = flag(2, "threads that render the chat template and tokenise, off the event loop")
     default_max_tokens: int = flag(256)
     ttft_slo_s: float = flag(2.0, name="ttft-slo-ms", scale=1000)
-    ttft_budget_fraction: float = flag(0.5, "auto picks P-MD when MD is predicted to be ready within this fraction "
-                                            "of the SLO")
+    relay_min_gain_fraction: float = flag(0.05, "auto picks P-RLD-MD only when RLD's first token is predicted "
+                                                "earlier than MD's by more than this fraction of the TTFT SLO (a "
+                                                "handoff costs a recompute and a stall)")
     skip_wan_max_tokens: int = flag(0, "requests with at most this max_tokens that would go P-RLD-MD skip the WAN "
                                        "(0: off)")
     wan_mbps_guess: float = flag(100.0, "link rate assumed until P has measured one")
     prefill_tokens_per_s_guess: float = flag(1000.0)
-    decode_step_s_guess: float = flag(0.05, "one decode step on MD, to turn its queue into a wait")
+    decode_step_s_guess: float = flag(0.05, "one decode step on RLD or MD until the gaps between their tokens "
+                                            "were measured")
     route_load_penalty_tokens: int = flag(256, "cache-aware MD routing: one running request costs as much as this "
                                                "many hit tokens")
     max_running_requests: int = flag(64, "requests in flight before new ones queue (0: no limit)")

@@ -12,6 +12,7 @@ they would spread one contract over several files.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import heapq
 import itertools
@@ -27,6 +28,7 @@ TOKEN_DIM = 3  # KV is [layers, 2 (K,V), kv_heads, tokens, head_dim]
 PREFIX_HASH_BYTES = 8
 
 EventKind = Literal["stored", "evicted"]
+INDEX_BLOCK_TOKENS = 16  # the granularity of the gateway's view of a cache (CacheEvent.block_hashes)
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
@@ -87,6 +89,10 @@ class CacheEvent:
     # (end, hash_prefix(tokens[:end])) at every multiple of the cache's event_block_tokens inside
     # (start, end], so an index can match prefixes that end inside a node, to block granularity
     block_hashes: tuple[tuple[int, str], ...] = ()
+
+    def to_dict(self) -> dict:
+        """As the CacheEvents message carries it."""
+        return {**dataclasses.asdict(self), "block_hashes": [list(b) for b in self.block_hashes]}
 
 
 class _Node:

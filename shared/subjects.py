@@ -61,9 +61,9 @@ def request_id_of_events(subject: str) -> str:
     return subject.removeprefix(f"{PREFIX}.req.")
 
 
-def cache_events(main_instance_id: str) -> str:
-    """MD publishes its DRC's stored/evicted events here (CacheEvents)."""
-    return f"{PREFIX}.cache.{main_instance_id}"
+def cache_events(instance_id: str) -> str:
+    """P and MD publish their cache's stored/evicted events here (CacheEvents)."""
+    return f"{PREFIX}.cache.{instance_id}"
 
 
 def cache_events_all() -> str:

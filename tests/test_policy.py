@@ -5,45 +5,68 @@ import random
 
 import torch
 
-from services.gateway.routing.cache_index import MainCacheIndex
-from services.gateway.routing.policy import LinkEstimate, PolicyConfig, choose_pipeline
+from services.gateway.routing.cache_index import CacheIndex
+from services.gateway.routing.policy import Estimate, PolicyConfig, choose_pipeline
 from shared.radix_cache import RadixCache
 
-CONFIG = PolicyConfig(ttft_slo_s=2.0, budget_fraction=0.5, skip_wan_max_tokens=0,
-                      default_link_bytes_per_s=100e6 / 8, default_prefill_tokens_per_s=5000)
+CONFIG = PolicyConfig(relay_min_gain_s=0.1, skip_wan_max_tokens=0, default_link_bytes_per_s=100e6 / 8,
+                      default_prefill_tokens_per_s=5000)
 KV_BYTES_PER_TOKEN = 46_080  # SmolLM2, fp32
+STEP_S = 0.05
+
+
+def estimate(link_mbps: float, prefill_tokens_per_s: float = 5000.0, main_queue_s: float = STEP_S,
+             relay_queue_s: float = STEP_S, round_trip_s: float = 0.0) -> Estimate:
+    return Estimate(link_mbps * 1e6 / 8, prefill_tokens_per_s, main_queue_s, relay_queue_s,
+                    round_trip_s=round_trip_s)
 
 
 def decide(link_mbps: float, prompt_tokens: int = 2000, hit: int = 0, max_tokens: int = 256,
-           config: PolicyConfig = CONFIG) -> str:
-    estimate = LinkEstimate(link_mbps * 1e6 / 8, 5000.0, 0.0)
-    return choose_pipeline(config, prompt_tokens, max_tokens, hit, KV_BYTES_PER_TOKEN, estimate).pipeline
+           config: PolicyConfig = CONFIG, prefill_hit: int | None = None, **kw: float) -> str:
+    prefill_hit = hit if prefill_hit is None else prefill_hit
+    return choose_pipeline(config, prompt_tokens, max_tokens, hit, KV_BYTES_PER_TOKEN, estimate(link_mbps, **kw),
+                           prefill_hit).pipeline
 
 
-def test_choice_flips_to_relay_as_bandwidth_drops() -> None:
-    # 2,000 uncached tokens = 92 MB: 0.07 s at 10 Gbit/s, 7.4 s at 100 Mbit/s
-    assert decide(10_000) == "p-md"
-    assert decide(1_000) == "p-md"
-    assert decide(100) == "p-rld-md"
-    assert decide(10) == "p-rld-md"
+def test_one_datacenter_goes_p_md_unless_main_is_queued() -> None:
+    # 2,000 uncached tokens: 0.4 s of P's compute, 0.009 s over a 100 Gbit/s local link
+    assert decide(100_000, round_trip_s=0.001) == "p-md", "RLD could not start earlier: no handoff for nothing"
+    assert decide(100_000, hit=1500) == "p-md"
+    assert decide(100_000, main_queue_s=1.0) == "p-rld-md", "MD queued: RLD covers the wait"
 
 
-def test_choice_flips_to_relay_as_the_main_hit_falls() -> None:
-    assert decide(100, hit=1999) == "p-md"
-    assert decide(100, hit=1990) == "p-md"  # 9 tokens cross
-    assert decide(100, hit=1000) == "p-rld-md"
+def test_a_long_missing_suffix_over_a_slow_link_goes_through_relay() -> None:
+    # 500 tokens MD lacks = 23 MB: 1.8 s at 100 Mbit/s against 0.1 s of compute
+    assert decide(100, hit=1500) == "p-rld-md"
     assert decide(100, hit=0) == "p-rld-md"
+    assert decide(100, hit=1990) == "p-md", "9 tokens cross in 33 ms"
 
 
-def test_prediction_counts_what_crosses_and_the_queue() -> None:
-    estimate = LinkEstimate(10e6, 1000.0, 0.25)
-    decision = choose_pipeline(CONFIG, 1001, 64, 500, 1000, estimate)
+def test_a_slow_prefill_with_a_fast_link_goes_p_md() -> None:
+    # P computes 2,000 tokens at 500 tokens/s (4 s); the KV streams out as fast as it is made
+    assert decide(10_000, prefill_tokens_per_s=500, round_trip_s=0.03) == "p-md"
+    # P's own cache lags MD's: P computes 1,000 tokens (2 s), 10 MB cross a 1 Gbit/s link in 0.08 s
+    assert decide(1_000, hit=1800, prefill_hit=1000, prefill_tokens_per_s=500) == "p-md"
+
+
+def test_the_prediction_counts_what_crosses_what_p_computes_and_the_queues() -> None:
+    est = Estimate(10e6, 1000.0, main_queue_s=0.25, relay_queue_s=0.05, prefill_fixed_s=0.1, round_trip_s=0.02)
+    decision = choose_pipeline(CONFIG, 1001, 64, 500, 1000, est, prefill_hit_tokens=800)
     assert decision.wan_bytes == 500 * 1000
-    assert abs(decision.predicted_main_ready_s - (0.25 + max(0.5, 0.05))) < 1e-9
+    compute = 0.1 + 200 / 1000
+    assert abs(decision.predicted_main_ready_s - (0.25 + 0.02 + max(compute, 0.05))) < 1e-9
+    assert abs(decision.predicted_relay_ready_s - (0.05 + compute)) < 1e-9
+    assert abs(decision.budget_s - (decision.predicted_relay_ready_s + 0.1)) < 1e-9
+    assert decision.pipeline == "p-rld-md", "MD's queue makes it 0.22 s later"
+
+
+def test_without_a_relay_the_choice_is_p_md() -> None:
+    est = Estimate(1e6, 1000.0, main_queue_s=0.05)
+    assert choose_pipeline(CONFIG, 2000, 64, 0, KV_BYTES_PER_TOKEN, est).pipeline == "p-md"
 
 
 def test_short_outputs_may_skip_the_wan_only_when_enabled_and_late() -> None:
-    skipping = PolicyConfig(2.0, 0.5, skip_wan_max_tokens=4, default_link_bytes_per_s=1e6,
+    skipping = PolicyConfig(0.1, skip_wan_max_tokens=4, default_link_bytes_per_s=1e6,
                             default_prefill_tokens_per_s=5000)
     assert decide(100, max_tokens=2, config=skipping) == "p-rld"
     assert decide(100, max_tokens=2, hit=1999, config=skipping) == "p-md", "in time: nothing to skip"
@@ -52,7 +75,7 @@ def test_short_outputs_may_skip_the_wan_only_when_enabled_and_late() -> None:
 
 
 def test_index_mirrors_the_main_cache_from_its_events() -> None:
-    index = MainCacheIndex()
+    index = CacheIndex()
     cache = RadixCache(capacity_tokens=400, capacity_bytes=1 << 30, event_block_tokens=16,
                        listener=lambda event: index.apply("md-1", [event.__dict__]))
     rng = random.Random(0)
@@ -168,13 +191,28 @@ def test_the_prefill_model_separates_a_fixed_cost_from_a_per_token_cost() -> Non
 
 
 def test_the_predicted_main_start_counts_the_fixed_costs() -> None:
-    bare = LinkEstimate(link_bytes_per_s=1e9, prefill_tokens_per_s=1e4, main_queue_s=0.0)
-    costly = LinkEstimate(link_bytes_per_s=1e9, prefill_tokens_per_s=1e4, main_queue_s=0.0, prefill_fixed_s=0.2,
-                          round_trip_s=0.06)
+    bare = Estimate(link_bytes_per_s=1e9, prefill_tokens_per_s=1e4, main_queue_s=0.0)
+    costly = Estimate(link_bytes_per_s=1e9, prefill_tokens_per_s=1e4, main_queue_s=0.0, prefill_fixed_s=0.2,
+                      round_trip_s=0.06)
     small = {"prompt_tokens": 100, "max_tokens": 64, "main_hit_tokens": 60, "kv_bytes_per_token": 46080}
     fast = choose_pipeline(CONFIG, estimate=bare, **small)
     slow = choose_pipeline(CONFIG, estimate=costly, **small)
     assert abs(slow.predicted_main_ready_s - fast.predicted_main_ready_s - 0.26) < 1e-9
+
+
+def test_each_tier_step_is_the_median_gap_between_its_tokens() -> None:
+    from services.gateway.routing.telemetry import Telemetry
+
+    telemetry = Telemetry()
+    assert telemetry.step_s("relay") is None
+    for i, at in enumerate((0.0, 0.1, 0.2, 0.3, 1.3, 1.4)):  # one 1 s stall (a handoff) among 0.1 s gaps
+        telemetry.observe_tokens("r1", "relay", 1, at)
+    telemetry.observe_tokens("r1", "main", 1, 5.0)  # the first MD token is no gap
+    telemetry.observe_tokens("r1", "main", 2, 5.4)  # two tokens in one chunk
+    assert abs(telemetry.step_s("relay") - 0.1) < 1e-9 and abs(telemetry.step_s("main") - 0.2) < 1e-9
+    telemetry.forget("r1")
+    telemetry.observe_tokens("r1", "main", 1, 50.0)  # a new attempt under the same id: no gap from the old one
+    assert abs(telemetry.step_s("main") - 0.2) < 1e-9
 
 
 def test_routing_forgets_the_cache_of_a_main_found_dead() -> None:
@@ -188,7 +226,7 @@ def test_routing_forgets_the_cache_of_a_main_found_dead() -> None:
     def beat(instance_id: str) -> Heartbeat:
         return Heartbeat("main", instance_id, "127.0.0.1", 1, "m", 0, 0, time.time())
 
-    index = MainCacheIndex()
+    index = CacheIndex()
     registry = InstanceRegistry(stale_after_s=60, on_gone=index.forget)
     config = GatewayConfig(common=CommonConfig("nats://127.0.0.1:4222", "gw", "INFO", "", 1.0), model="tiny",
                            host="127.0.0.1", port=0, default_pipeline="auto", request_timeout_s=10.0,
@@ -208,3 +246,26 @@ def test_routing_forgets_the_cache_of_a_main_found_dead() -> None:
     registry.observe(beat("md-a"))  # restarted under the same id, with an empty cache
     main, hit = dispatcher._choose_main(prompt + [1], avoid=set())
     assert hit == 0 and index.hit_tokens("md-a", prompt) == 0, "a dead MD's cache no longer attracts requests"
+
+
+def test_prefill_is_routed_to_the_p_whose_cache_holds_the_prompt() -> None:
+    import time
+
+    from services.gateway.routing.dispatcher import Dispatcher
+    from services.gateway.routing.registry import InstanceRegistry
+    from shared.config import CommonConfig, GatewayConfig
+    from shared.messages import Heartbeat
+    from shared.names import Role
+
+    index = CacheIndex()
+    registry = InstanceRegistry(stale_after_s=60)
+    config = GatewayConfig(common=CommonConfig("nats://127.0.0.1:4222", "gw", "INFO", "", 1.0), model="tiny")
+    dispatcher = Dispatcher(None, registry, config, index)
+    prompt = list(range(100, 164))
+    cache = RadixCache(capacity_tokens=400, capacity_bytes=1 << 30, event_block_tokens=16,
+                       listener=lambda event: index.apply("p-a", [event.to_dict()]))
+    cache.insert(prompt[:48], torch.zeros(1, 2, 1, 48, 4))
+    for p in ("p-a", "p-b"):  # p-b wins a tie on load
+        registry.observe(Heartbeat("prefill", p, "", 0, "m", 0, 0, time.time()))
+    prefill, hit = dispatcher._pick_cached(Role.PREFILL, prompt + [1], avoid=set())
+    assert (prefill.heartbeat.instance_id, hit) == ("p-a", 48), "P's own hit: what it will not compute"

@@ -21,7 +21,7 @@ from services.gateway.observe.request_telemetry import (
     tracing_middleware,
 )
 from services.gateway.observe.trace_store import OtlpReceiver, TraceStore
-from services.gateway.routing.cache_index import MainCacheIndex
+from services.gateway.routing.cache_index import CacheIndex
 from services.gateway.routing.dispatcher import Dispatcher
 from services.gateway.routing.liveness import ping_instances
 from services.gateway.routing.registry import InstanceRegistry
@@ -54,7 +54,7 @@ class GatewayService:
         self.tokenizer = load_tokenizer(path)
         self.served_model = served_model_name(path)
         self.max_context_tokens = max_context_tokens(path)
-        self.cache_index = MainCacheIndex()
+        self.cache_index = CacheIndex()
         self.metrics = GatewayMetrics()
         self.loop_lag = self.metrics.loop_lag_monitor()
         self.registry = InstanceRegistry(stale_after_s=STALE_HEARTBEATS * config.common.heartbeat_s,

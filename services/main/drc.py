@@ -6,16 +6,13 @@ events the gateway's cache index follows: `keep` returns them and the caller pub
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import torch
 
 from shared.cache_worker import CacheWorker
 from shared.config import CacheConfig
-from shared.radix_cache import CacheEvent, PrefixHandle, RadixCache
-
-CACHE_EVENT_BLOCK_TOKENS = 16  # granularity of the gateway's view of the DRC
+from shared.radix_cache import INDEX_BLOCK_TOKENS, CacheEvent, PrefixHandle, RadixCache
 
 
 class DecodeCache:
@@ -24,7 +21,7 @@ class DecodeCache:
     def __init__(self, config: CacheConfig) -> None:
         self._events: list[CacheEvent] = []
         self.cache = RadixCache(config.tokens, config.kv_bytes, self._events.append,
-                                event_block_tokens=CACHE_EVENT_BLOCK_TOKENS)
+                                event_block_tokens=INDEX_BLOCK_TOKENS)
         self._worker = CacheWorker(self.cache, "drc")
         self._locks: dict[str, PrefixHandle] = {}  # touched on the worker only
 
@@ -71,7 +68,6 @@ class DecodeCache:
 
     def _keep(self, token_ids: Sequence[int], kv: torch.Tensor) -> list[dict]:
         self.cache.insert(token_ids, kv)
-        events = [{**dataclasses.asdict(event), "block_hashes": [list(b) for b in event.block_hashes]}
-                  for event in self._events]
+        events = [event.to_dict() for event in self._events]
         self._events.clear()
         return events

@@ -12,6 +12,7 @@ import time
 import torch
 
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from opentelemetry import trace
 
 from shared import bus, messages, subjects, tracing
@@ -21,12 +22,13 @@ from shared.errors import PddError
 from shared.kv_transfer import KVSender, OutgoingTransfer, TransferResult, TransferState
 from shared.kv_wire import DTYPE_NAMES
 from shared.metrics import PrefillMetrics, serve as serve_metrics
-from shared.messages import Abort, Heartbeat, PrefillAccepted, PrefillDone, PrefillRequest, RequestFailed
+from shared.messages import (Abort, CacheEvents, Heartbeat, PrefillAccepted, PrefillDone, PrefillRequest,
+                             RequestFailed)
 from shared.model_runner import ModelRunner
 from shared.models import kv_layout, load_model, resolve_model
 from shared.names import Role
 from shared.cache_worker import CacheWorker
-from shared.radix_cache import RadixCache
+from shared.radix_cache import INDEX_BLOCK_TOKENS, CacheEvent, RadixCache
 from shared.service_runtime import heartbeat_loop, now
 from services.prefill.job import Phase, PrefillJob
 from services.prefill.prefiller import Prefiller, chunk_ranges
@@ -48,7 +50,9 @@ class PrefillService:
         self.sender = KVSender(self.layout, wire, config.kv_connect_timeout_s, config.kv_connections,
                                config.kv_stall_timeout_s, read_secret(config.kv_secret_file))
         self.tracer = tracing.tracer("pdd.prefill")
-        self.cache = (CacheWorker(RadixCache(config.cache.tokens, config.cache.kv_bytes), "prefix-cache")
+        self._cache_events: list[CacheEvent] = []  # appended and drained on the cache's worker only
+        self.cache = (CacheWorker(RadixCache(config.cache.tokens, config.cache.kv_bytes, self._cache_events.append,
+                                             event_block_tokens=INDEX_BLOCK_TOKENS), "prefix-cache")
                       if config.cache.enabled else None)  # every tree operation on its own thread, off the loop
         self.jobs: dict[str, PrefillJob] = {}
         self.aborted_transfers = 0
@@ -164,7 +168,7 @@ class PrefillService:
                 self.prefiller.release(req.request_id)
                 if self.cache is not None and len(chunks) > (1 if hit else 0):
                     full_kv = await self.engine.run(_concat_tokens, chunks)
-                    await self.cache.call(self.cache.tree.insert, kv_ids, full_kv)
+                    await self._keep(kv_ids, full_kv)
                 results = await asyncio.gather(*(self._finish_transfer(job, t) for t in job.transfers))
                 for result in results:
                     span.add_event("kv_transfer", {"pdd.role": result.target.role, "pdd.kv_bytes": result.kv_bytes,
@@ -201,6 +205,24 @@ class PrefillService:
                 self._end_transfer_span(job, transfer, transfer.state, transfer.error)
             self.jobs.pop(req.request_id, None)
             await asyncio.gather(*(transfer.wait_closed() for transfer in job.transfers))  # pumps end with the job
+
+    async def _keep(self, token_ids: list[int], kv: torch.Tensor) -> None:
+        """Into P's prefix cache; the cache's changes go to the gateway's index, which predicts P's
+        compute from P's own hit."""
+        events = await self.cache.call(self._insert, token_ids, kv)
+        if not events:
+            return
+        try:
+            await bus.publish(self.nc, subjects.cache_events(self.instance_id), CacheEvents(self.instance_id, events))
+        except (PddError, NatsError) as exc:  # too big, or NATS closing: the index catches up from the next batch
+            log.warning("cache events not published: %s", exc)
+
+    def _insert(self, token_ids: list[int], kv: torch.Tensor) -> list[dict]:
+        """On the cache's worker: insert, then the events it caused, drained."""
+        self.cache.tree.insert(token_ids, kv)
+        events = [event.to_dict() for event in self._cache_events]
+        self._cache_events.clear()
+        return events
 
     def _start_transfer_span(self, job: PrefillJob, transfer: OutgoingTransfer) -> None:
         """One span per KV path, child of the prefill span: P's view of the local or WAN transfer."""

@@ -1,11 +1,12 @@
-"""The gateway's index of what each MD's Decode-side RadixCache holds, fed by MD's cache events.
+"""The gateway's index of what each P's prefix cache and each MD's Decode-side RadixCache hold,
+fed by the cache events they publish.
 
-Each MD publishes `stored`/`evicted` events naming radix-tree nodes by (hash of the token prefix
-up to the node's end, end), plus the prefixes ending at each block boundary inside the node.
-Routing never asks MD: it hashes a request's prompt at the ends the index knows and takes the
+Each instance publishes `stored`/`evicted` events naming radix-tree nodes by (hash of the token
+prefix up to the node's end, end), plus the prefixes ending at each block boundary inside the node.
+Routing never asks: it hashes a request's prompt at the ends the index knows and takes the
 longest that matches. A hit that ends inside a node is under-counted by less than one block.
-An MD found dead is forgotten (the registry calls `forget`): its cache died with it, and one that
-restarts under the same id starts empty.
+An instance found dead is forgotten (the registry calls `forget`): its cache died with it, and one
+that restarts under the same id starts empty.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from collections import defaultdict
 from shared.radix_cache import prefix_hashes
 
 
-class MainCacheIndex:
+class CacheIndex:
     def __init__(self) -> None:
         self._nodes: dict[str, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
         self.events_applied = 0

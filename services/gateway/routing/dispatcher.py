@@ -9,15 +9,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from services.gateway.routing.cache_index import MainCacheIndex
+from services.gateway.routing.cache_index import CacheIndex
 from services.gateway.routing.policy import (
-    LinkEstimate,
+    NO_RELAY_S,
+    Estimate,
     PipelineDecision,
     PolicyConfig,
     choose_pipeline,
@@ -26,9 +28,9 @@ from services.gateway.routing.registry import Instance, InstanceRegistry
 from services.gateway.routing.telemetry import Telemetry
 from services.gateway.run.attempt import Attempt, GenerationRequest
 from services.gateway.run.request_run import RequestRun
-from shared import bus, subjects, tracing
+from shared import bus, messages, subjects, tracing
 from shared.config import GatewayConfig
-from shared.errors import DeadlineExceeded, PeerGone
+from shared.errors import DeadlineExceeded, PddError, PeerGone
 from shared.messages import (
     Abort,
     DecodeAccepted,
@@ -38,6 +40,7 @@ from shared.messages import (
     PrefillAccepted,
     PrefillDone,
     PrefillRequest,
+    TokenChunk,
 )
 from shared.metrics import GatewayMetrics
 from shared.names import AUTO, Pipeline, Role
@@ -50,7 +53,7 @@ NO_MAIN_REASON = "no main decode reachable: RLD serves alone"
 
 
 class Dispatcher:
-    def __init__(self, nc: NATS, registry: InstanceRegistry, config: GatewayConfig, cache_index: MainCacheIndex,
+    def __init__(self, nc: NATS, registry: InstanceRegistry, config: GatewayConfig, cache_index: CacheIndex,
                  metrics: GatewayMetrics | None = None) -> None:
         self.nc = nc
         self.metrics = metrics or GatewayMetrics()
@@ -58,7 +61,7 @@ class Dispatcher:
         self.config = config
         self.cache_index = cache_index
         self.telemetry = Telemetry()
-        self.policy = PolicyConfig(config.ttft_slo_s, config.ttft_budget_fraction, config.skip_wan_max_tokens,
+        self.policy = PolicyConfig(config.ttft_slo_s * config.relay_min_gain_fraction, config.skip_wan_max_tokens,
                                    config.wan_mbps_guess * 1e6 / 8, config.prefill_tokens_per_s_guess)
         self.tracer = tracing.tracer("pdd.gateway")
         # the attempts in flight, by request id, and where their events go (see listen, abort_orphans)
@@ -75,9 +78,17 @@ class Dispatcher:
         await self.nc.flush()
 
     async def _on_request_event(self, msg: Msg) -> None:
-        entry = self.active.get(subjects.request_id_of_events(msg.subject))
-        if entry is not None:  # else a late event of an attempt let go, or another gateway's request
-            await entry[1](msg)
+        request_id = subjects.request_id_of_events(msg.subject)
+        entry = self.active.get(request_id)
+        if entry is None:  # a late event of an attempt let go, or another gateway's request
+            return
+        try:
+            event = messages.decode(msg.data)
+        except PddError:
+            event = None  # the run logs it
+        if isinstance(event, TokenChunk):  # each tier's decode step, for the policy's predictions
+            self.telemetry.observe_tokens(request_id, event.tier, len(event.token_ids), time.monotonic())
+        await entry[1](msg)
 
     async def start(self, req: GenerationRequest) -> RequestRun:
         """Dispatch a new request; its RequestRun comes back here for each migration."""
@@ -113,6 +124,14 @@ class Dispatcher:
     def _choose_main(self, prompt_ids: list[int], avoid: set[str]) -> tuple[Instance, int] | None:
         """Cache-aware: the MD holding the longest prefix of the prompt, weighed against its load;
         None when no MD is reachable."""
+        try:
+            return self._pick_cached(Role.MAIN, prompt_ids, avoid)
+        except PeerGone:
+            return None
+
+    def _pick_cached(self, role: Role, prompt_ids: list[int], avoid: set[str]) -> tuple[Instance, int]:
+        """The instance of `role` whose cache holds the longest prefix of the prompt's KV, weighed
+        against its load, and that prefix's length."""
         hits: dict[str, int] = {}
 
         def score(instance: Instance) -> float:
@@ -120,24 +139,31 @@ class Dispatcher:
             hits[instance.heartbeat.instance_id] = hit
             return hit - self.config.route_load_penalty_tokens * instance.load
 
-        try:
-            main = self.registry.pick(Role.MAIN, score, avoid)
-        except PeerGone:
-            return None
-        return main, hits.get(main.heartbeat.instance_id, 0)
+        chosen = self.registry.pick(role, score, avoid)
+        return chosen, hits.get(chosen.heartbeat.instance_id, 0)
 
-    def _decide(self, req: GenerationRequest, main: Instance, main_hit: int, prefill: Instance) -> PipelineDecision:
+    def _queue_s(self, instance: Instance, tier: Role) -> float:
+        """A decoder's wait before a new request's first token: what waits in its engine for room,
+        then one step (running requests share a batched step; they do not queue)."""
+        step = self.telemetry.step_s(tier) or self.config.decode_step_s_guess
+        return (instance.heartbeat.waiting + 1) * step
+
+    def _decide(self, req: GenerationRequest, prefill: Instance, prefill_hit: int, main: Instance, main_hit: int,
+                relay: Instance | None) -> PipelineDecision:
         md = main.heartbeat
         prefill_model = self.telemetry.prefill
-        estimate = LinkEstimate(
+        round_trips = self.telemetry.round_trip_s
+        estimate = Estimate(
             link_bytes_per_s=prefill.heartbeat.link_bytes_per_s.get(f"{md.kv_host}:{md.kv_port}"),
             prefill_tokens_per_s=prefill_model.tokens_per_s if prefill_model else None,
-            main_queue_s=max(0, main.load - 1) * self.config.decode_step_s_guess,  # load counts this request
+            main_queue_s=self._queue_s(main, Role.MAIN),
+            relay_queue_s=self._queue_s(relay, Role.RELAY) if relay is not None else NO_RELAY_S,
             prefill_fixed_s=prefill_model.fixed_s if prefill_model else 0.0,
-            round_trip_s=self.telemetry.round_trip_s.get(md.instance_id, 0.0))
+            round_trip_s=round_trips.get(md.instance_id, 0.0),
+            relay_round_trip_s=round_trips.get(relay.heartbeat.instance_id, 0.0) if relay is not None else 0.0)
         kv_bytes_per_token = int(prefill.heartbeat.stats.get("kv_bytes_per_token", 0))
         decision = choose_pipeline(self.policy, len(req.prompt_ids), req.sampling.max_tokens, main_hit,
-                                   kv_bytes_per_token, estimate)
+                                   kv_bytes_per_token, estimate, prefill_hit)
         default = None if self.config.default_pipeline == AUTO else Pipeline(self.config.default_pipeline)
         forced = req.pipeline or default
         if forced is not None and forced != decision.pipeline:
@@ -147,17 +173,23 @@ class Dispatcher:
     def _plan(self, req: GenerationRequest, avoid: set[str]) -> tuple[PipelineDecision, dict[Role, Instance]]:
         """The pipeline and an instance per role in it. With no MD reachable (all dead, or the WAN
         cut), RLD serves alone (P-RLD), counted as its own decision, rather than nobody."""
-        prefill = self.registry.pick(Role.PREFILL, avoid=avoid)
+        prefill, prefill_hit = self._pick_cached(Role.PREFILL, req.prompt_ids, avoid)
         chosen = self._choose_main(req.prompt_ids, avoid)
         if chosen is None:
-            decision = PipelineDecision(Pipeline.P_RLD, NO_MAIN_REASON, 0, 0, 0.0, self.policy.budget_s)
+            decision = PipelineDecision(Pipeline.P_RLD, NO_MAIN_REASON, 0, 0, 0.0, 0.0, 0.0, prefill_hit)
             relay = self._pick_or_release(Role.RELAY, avoid, [prefill])
             return decision, {Role.PREFILL: prefill, Role.RELAY: relay}
         main, main_hit = chosen
-        decision = self._decide(req, main, main_hit, prefill)
+        try:  # RLD's start is half of the prediction; none reachable: P-MD, or whatever the request names
+            relay: Instance | None = self.registry.pick(Role.RELAY, avoid=avoid)
+        except PeerGone:
+            relay = None
+        decision = self._decide(req, prefill, prefill_hit, main, main_hit, relay)
         instances = {Role.PREFILL: prefill, Role.MAIN: main}
         if decision.pipeline.uses_relay:
-            instances[Role.RELAY] = self._pick_or_release(Role.RELAY, avoid, [prefill, main])
+            instances[Role.RELAY] = relay or self._pick_or_release(Role.RELAY, avoid, [prefill, main])
+        elif relay is not None:
+            self.registry.done(relay.heartbeat.instance_id)
         if not decision.pipeline.uses_main:
             self.registry.done(instances.pop(Role.MAIN).heartbeat.instance_id)
         return decision, instances
@@ -184,8 +216,7 @@ class Dispatcher:
                 span.set_attributes({
                     "pdd.request_id": req.request_id, "pdd.pipeline": pipeline, "pdd.policy_reason": decision.reason,
                     "pdd.prompt_tokens": len(req.prompt_ids), "pdd.output_offset": output_offset,
-                    "pdd.main_hit_predicted": decision.main_hit_tokens, "pdd.wan_bytes_predicted": decision.wan_bytes,
-                    "pdd.main_ready_predicted_s": decision.predicted_main_ready_s, "pdd.ttft_budget_s": decision.budget_s,
+                    **_predictions(decision),
                     **{f"pdd.instance.{role}": iid for role, iid in attempt.instances.items()}})
                 headers = tracing.inject()
                 assign = DecodeAssign(
@@ -213,6 +244,7 @@ class Dispatcher:
         if self.active.get(attempt.request_id, (None,))[0] is not attempt:
             return
         del self.active[attempt.request_id]
+        self.telemetry.forget(attempt.request_id)
         for instance_id in attempt.instances.values():
             self.registry.done(instance_id)
         try:
@@ -256,11 +288,12 @@ class Dispatcher:
             "pdd.request_id": req.request_id, "pdd.pipeline": decision.pipeline, "pdd.policy_reason": decision.reason,
             "pdd.pipeline_requested": req.pipeline or self.config.default_pipeline,
             "pdd.prompt_tokens": len(req.prompt_ids), "pdd.max_tokens": req.sampling.max_tokens,
-            "pdd.main_hit_predicted": decision.main_hit_tokens, "pdd.wan_bytes_predicted": decision.wan_bytes,
-            "pdd.main_ready_predicted_s": decision.predicted_main_ready_s, "pdd.ttft_budget_s": decision.budget_s,
+            **_predictions(decision),
             "pdd.instance.prefill": prefill.instance_id,
             **({"pdd.main_load": main.load, "pdd.instance.main": main.heartbeat.instance_id} if main else {}),
             **({"pdd.link_bytes_per_s": link} if link is not None else {}),
+            **{f"pdd.{tier}_step_s": step for tier in (Role.RELAY, Role.MAIN)
+               if (step := self.telemetry.step_s(tier)) is not None},
             **({"pdd.prefill_tokens_per_s": self.telemetry.prefill.tokens_per_s,
                 "pdd.prefill_fixed_s": self.telemetry.prefill.fixed_s} if self.telemetry.prefill else {}),
             **({"pdd.main_round_trip_s": self.telemetry.round_trip_s[main.heartbeat.instance_id]}
@@ -275,3 +308,12 @@ class Dispatcher:
         except (PeerGone, DeadlineExceeded) as exc:
             exc.instance_id = instance_id
             raise
+
+
+def _predictions(decision: PipelineDecision) -> dict[str, float | int]:
+    """What the pipeline choice was based on, as span attributes (both decoders' predicted starts)."""
+    relay = decision.predicted_relay_ready_s
+    return {"pdd.prefill_hit_predicted": decision.prefill_hit_tokens, "pdd.main_hit_predicted": decision.main_hit_tokens,
+            "pdd.wan_bytes_predicted": decision.wan_bytes, "pdd.main_ready_predicted_s": decision.predicted_main_ready_s,
+            **({"pdd.relay_ready_predicted_s": relay, "pdd.main_ready_budget_s": decision.budget_s}
+               if math.isfinite(relay) else {})}

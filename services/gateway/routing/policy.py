@@ -1,43 +1,45 @@
-"""PDD's pipeline choice: P-MD when MD can start in time, P-RLD-MD otherwise. Plain logic.
+"""PDD's pipeline choice: P-RLD-MD only when RLD's first token is predicted meaningfully earlier
+than MD's; P-MD otherwise. Plain logic.
 
-The gateway predicts when MD could emit the first token: P must compute the tokens MD lacks
-and send their KV over the WAN (the two overlap, since KV streams out chunk by chunk), after
-MD's queue, plus P's fixed cost per prefill and a round trip to MD (the assign's answer, then
-the KV's last byte). If that fits the TTFT budget (a fraction of the TTFT SLO) the request goes P-MD;
-otherwise RLD covers the wait. P-RLD is never planned, except by the anomalous-traffic filter:
-a request so short (max_tokens at most `skip_wan_max_tokens`) that RLD will finish it before any
-KV could reach MD skips the WAN transfer from the start (counted: it leaves MD's cache behind).
+Both first tokens wait for P to compute what *P's own* cache lacks. RLD, next to P, then starts
+at once; MD also waits for the KV *its* cache lacks to cross the WAN (streaming out chunk by
+chunk while P computes, so the two overlap) and for the round trip to it. Each decoder adds its
+queue and one decode step. The gain of RLD is the difference; a handoff costs a recompute and a
+stall, so RLD is worth it only past `relay_min_gain_s`. In one datacenter the gain is MD's queue
+against RLD's: P-MD unless MD is queued. The anomalous-traffic filter (`skip_wan_max_tokens`, off
+by default) plans P-RLD for a short request that would go P-RLD-MD, skipping the WAN (counted: it
+leaves MD's cache behind). Outside the policy, the gateway plans P-RLD when no MD is reachable
+(services/gateway/routing/dispatcher.py).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from shared.names import Pipeline
 
+NO_RELAY_S = float("inf")
+
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    ttft_slo_s: float
-    budget_fraction: float
+    relay_min_gain_s: float  # how much earlier RLD's first token must be predicted for P-RLD-MD
     skip_wan_max_tokens: int  # 0: never skip
     default_link_bytes_per_s: float
     default_prefill_tokens_per_s: float
 
-    @property
-    def budget_s(self) -> float:
-        """How soon MD must be predicted ready for P-MD."""
-        return self.ttft_slo_s * self.budget_fraction
-
 
 @dataclass(frozen=True)
-class LinkEstimate:
-    """What the gateway currently believes about one MD's path."""
+class Estimate:
+    """What the gateway currently believes about the instances a request would run on."""
 
-    link_bytes_per_s: float | None  # measured by P (moving average); None before any sample
+    link_bytes_per_s: float | None  # P -> this MD, measured by P (moving average); None before any sample
     prefill_tokens_per_s: float | None  # measured from P's reports
-    main_queue_s: float  # work already waiting on that MD
+    main_queue_s: float  # MD's wait before the request's first step, the step included
+    relay_queue_s: float = NO_RELAY_S  # the same on RLD; inf: no RLD reachable
     prefill_fixed_s: float = 0.0  # P's cost per prefill whatever its length (fitted)
     round_trip_s: float = 0.0  # gateway <-> MD: the assign's answer, then the KV's last byte, each half of it
+    relay_round_trip_s: float = 0.0  # gateway <-> RLD, the same
 
 
 @dataclass(frozen=True)
@@ -47,23 +49,31 @@ class PipelineDecision:
     main_hit_tokens: int
     wan_bytes: int
     predicted_main_ready_s: float
-    budget_s: float
+    budget_s: float  # MD had to be predicted ready by this for P-MD: RLD's predicted start plus the gain it must buy
+    predicted_relay_ready_s: float = NO_RELAY_S
+    prefill_hit_tokens: int = 0
 
 
 def choose_pipeline(config: PolicyConfig, prompt_tokens: int, max_tokens: int, main_hit_tokens: int,
-                    kv_bytes_per_token: int, estimate: LinkEstimate) -> PipelineDecision:
-    missing = max(0, prompt_tokens - 1 - main_hit_tokens)  # P never sends the last prompt token's KV
-    wan_bytes = missing * kv_bytes_per_token
+                    kv_bytes_per_token: int, estimate: Estimate, prefill_hit_tokens: int = 0) -> PipelineDecision:
+    kv_tokens = max(0, prompt_tokens - 1)  # P never computes nor sends the last prompt token's KV
+    computed = max(0, kv_tokens - prefill_hit_tokens)
+    crossing = max(0, kv_tokens - main_hit_tokens)
+    wan_bytes = crossing * kv_bytes_per_token
     link = estimate.link_bytes_per_s or config.default_link_bytes_per_s
     prefill_rate = estimate.prefill_tokens_per_s or config.default_prefill_tokens_per_s
-    predicted = (estimate.main_queue_s + estimate.round_trip_s + estimate.prefill_fixed_s
-                 + max(missing / prefill_rate, wan_bytes / link))
-    budget = config.budget_s
-    if config.skip_wan_max_tokens and max_tokens <= config.skip_wan_max_tokens and predicted > budget:
-        return PipelineDecision(Pipeline.P_RLD, "short output: RLD finishes before MD could start", main_hit_tokens,
-                                0, predicted, budget)
-    if predicted <= budget:
-        return PipelineDecision(Pipeline.P_MD, "MD can start within the TTFT budget", main_hit_tokens, wan_bytes,
-                                predicted, budget)
-    return PipelineDecision(Pipeline.P_RLD_MD, "MD would start too late: RLD covers the wait", main_hit_tokens,
-                            wan_bytes, predicted, budget)
+    compute_s = (estimate.prefill_fixed_s + computed / prefill_rate) if computed else 0.0
+    main_ready = estimate.main_queue_s + estimate.round_trip_s + max(compute_s, wan_bytes / link)
+    relay_ready = estimate.relay_queue_s + estimate.relay_round_trip_s + compute_s
+    budget = relay_ready + config.relay_min_gain_s
+
+    def decided(pipeline: Pipeline, reason: str) -> PipelineDecision:
+        return PipelineDecision(pipeline, reason, main_hit_tokens, wan_bytes, main_ready, budget, relay_ready,
+                                prefill_hit_tokens)
+
+    if main_ready <= budget:
+        return decided(Pipeline.P_MD, "MD starts about as soon as RLD could")
+    if config.skip_wan_max_tokens and max_tokens <= config.skip_wan_max_tokens:
+        return dataclasses.replace(decided(Pipeline.P_RLD, "short output: RLD finishes before MD could start"),
+                                   wan_bytes=0)
+    return decided(Pipeline.P_RLD_MD, "RLD starts meaningfully earlier than MD")

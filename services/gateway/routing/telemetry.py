@@ -3,13 +3,17 @@
 - P's prefill time as a fixed cost plus a per-token cost, fitted by least squares to P's recent
   PrefillDone reports (a rate alone would call a 30-token prefill nearly free, which it is not).
 - The round trip to each instance, from the liveness pings (services/gateway/routing/liveness.py).
+- One decode step per tier (RLD, MD): the median gap between two tokens of one request from that
+  tier, over its recent tokens (a median, so a handoff or a queue wait does not count as a step).
 """
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
 PREFILL_SAMPLES = 64
+STEP_SAMPLES = 256
 RTT_ALPHA = 0.2
 
 
@@ -46,6 +50,8 @@ class Telemetry:
         self._prefills: deque[tuple[int, float]] = deque(maxlen=PREFILL_SAMPLES)
         self.prefill: PrefillModel | None = None
         self.round_trip_s: dict[str, float] = {}  # instance id -> smoothed ping round trip
+        self._steps: dict[str, deque[float]] = {}  # tier -> recent gaps per token
+        self._last_chunk: dict[str, dict[str, float]] = {}  # request id -> tier -> when its last tokens came
 
     def observe_prefill(self, computed_tokens: int, prefill_s: float) -> None:
         if computed_tokens <= 0 or prefill_s <= 0:
@@ -56,3 +62,20 @@ class Telemetry:
     def observe_round_trip(self, instance_id: str, seconds: float) -> None:
         old = self.round_trip_s.get(instance_id)
         self.round_trip_s[instance_id] = seconds if old is None else old + RTT_ALPHA * (seconds - old)
+
+    def observe_tokens(self, request_id: str, tier: str, tokens: int, at_s: float) -> None:
+        """A chunk of `tokens` tokens of one request from `tier` arrived at `at_s` (monotonic)."""
+        seen = self._last_chunk.setdefault(request_id, {})
+        last = seen.get(tier)
+        seen[tier] = at_s
+        if last is not None and tokens > 0:
+            self._steps.setdefault(tier, deque(maxlen=STEP_SAMPLES)).append((at_s - last) / tokens)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: its last chunks are no longer the start of a gap."""
+        self._last_chunk.pop(request_id, None)
+
+    def step_s(self, tier: str) -> float | None:
+        """The median gap between two tokens from `tier`; None before any."""
+        gaps = self._steps.get(tier)
+        return statistics.median(gaps) if gaps else None
