@@ -22,7 +22,7 @@ import torch
 from shared.config import EngineConfig
 from shared.errors import BadRequest, PddError
 from shared.model_runner import DecodeSequence, ModelRunner, PackedRow, SequenceKV
-from shared.sampling import sample_tokens
+from shared.sampling import sample_rows
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -163,7 +163,8 @@ class BatchEngine:
     def submit(self, key: str, feed_ids: list[int], sample: bool, return_kv: bool = False) -> asyncio.Future:
         """Feed tokens to an admitted request's KV in the next steps.
 
-        The future's result: (token, finish_reason) when `sample`, the fed positions' KV
+        The future's result: (token, finish_reason) when `sample` (the token's logprobs, if asked for,
+        are on the DecodeSequence: last_logprob), the fed positions' KV
         [layers, 2, kv_heads, len(feed_ids), head_dim] on the CPU when `return_kv`, else None.
         """
         return self._submit(key, feed_ids, sample, return_kv).future
@@ -367,16 +368,15 @@ class BatchEngine:
         sampled = [w for w, _ in batch if w.sample and not w.left]
         seqs = [self._slots[w.key].seq for w in sampled]
         ready = [i for i, seq in enumerate(seqs) if seq is not None]
-        tokens = dict(zip(ready, sample_tokens(logits[ready] if len(ready) < len(seqs) else logits,
-                                               [seqs[i].sampling for i in ready],
-                                               [seqs[i].first_index + len(seqs[i].output_ids) for i in ready])))
+        picks = dict(zip(ready, sample_rows(logits[ready] if len(ready) < len(seqs) else logits,
+                                            [seqs[i].sampling_row() for i in ready])))
         settled: list[tuple[asyncio.Future, object, BaseException | None]] = []
         for i, work in enumerate(sampled):
             seq = seqs[i]
             if seq is None:
                 settled.append((work.future, None, NotAdmitted(f"{work.key} has no sampling state")))
                 continue
-            result = (tokens[i], seq.accept(tokens[i]))
+            result = (picks[i].token_id, seq.accept(picks[i].token_id, picks[i].logprob))
             if result[1] is None:
                 self._expected.add(work.key)
             settled.append((work.future, result, None))

@@ -13,7 +13,7 @@ import orjson
 
 from shared.errors import ProtocolError
 from shared.names import HandoffMode
-from shared.sampling import SamplingParams
+from shared.sampling import SamplingParams, TokenLogprob
 
 
 
@@ -135,13 +135,15 @@ class Handoff:
 
 @dataclass(frozen=True)
 class TokenChunk:
-    """Decoder to gateway: output tokens start..start+len-1, produced by `tier`."""
+    """Decoder to gateway: output tokens start..start+len-1, produced by `tier`; with their logprobs
+    (one per token) when the request asks for them."""
 
     request_id: str
     start: int
     token_ids: list[int]
     tier: str
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -222,7 +224,7 @@ def _to_plain(msg: object) -> dict:
     for key, value in d.items():
         if isinstance(value, SamplingParams):
             d[key] = value.to_dict()
-        elif isinstance(value, list) and value and isinstance(value[0], KVTarget):
+        elif isinstance(value, list) and value and isinstance(value[0], (KVTarget, TokenLogprob)):
             d[key] = [dataclasses.asdict(t) for t in value]
     d["type"] = type(msg).__name__
     return d
@@ -241,8 +243,11 @@ def decode(data: bytes) -> object:
             d["sampling"] = SamplingParams.from_dict(d["sampling"])
         if "targets" in d:
             d["targets"] = [KVTarget(**t) for t in d["targets"]]
+        if d.get("logprobs") is not None:
+            d["logprobs"] = [TokenLogprob(float(t["logprob"]), tuple((int(i), float(lp)) for i, lp in t["top"]))
+                             for t in d["logprobs"]]
         return cls(**d)
-    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ProtocolError(f"malformed message: {exc}") from exc
 
 

@@ -17,7 +17,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward, use_gqa_in_sdpa
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from shared.sampling import SamplingParams
+from shared.sampling import SamplingParams, SamplingRow, TokenLogprob
 
 ATTENTION = "pdd_packed"
 
@@ -64,6 +64,28 @@ class DecodeSequence:
     kv: SequenceKV | None = None  # set by the engine when the request is admitted
     output_ids: list[int] = field(default_factory=list)
     first_index: int = 0  # the request's output index of output_ids[0] (not 0 after a migration)
+    last_logprob: TokenLogprob | None = None  # the newest sampled token's, when the request asks for logprobs
+
+    @property
+    def request_prompt_ids(self) -> list[int]:
+        """The request's own prompt: a migrated attempt's prompt ends with the first_index output tokens
+        the client already has, which are not prompt."""
+        return self.prompt_ids[:len(self.prompt_ids) - self.first_index]
+
+    @property
+    def request_output_ids(self) -> list[int]:
+        """Every output token of the request so far, wherever it was made: by an earlier attempt (the
+        end of a migrated prompt), by RLD (adopted on MD) or here."""
+        return self.prompt_ids[len(self.prompt_ids) - self.first_index:] + self.output_ids
+
+    def sampling_row(self) -> SamplingRow:
+        """What the sampler needs for this request's next token; the history only when an option reads it."""
+        params = self.sampling
+        index = self.first_index + len(self.output_ids)
+        if not params.penalized:
+            return SamplingRow(params, index)
+        prompt_ids = self.request_prompt_ids if params.repetition_penalty != 1.0 else ()
+        return SamplingRow(params, index, prompt_ids, self.request_output_ids)
 
     @property
     def kv_tokens_needed(self) -> int:
@@ -71,8 +93,9 @@ class DecodeSequence:
         longest = min(len(self.prompt_ids) + self.sampling.max_tokens, self.max_context_tokens)
         return max(len(self.prompt_ids), longest - 1)
 
-    def accept(self, token: int) -> str | None:
+    def accept(self, token: int, logprob: TokenLogprob | None = None) -> str | None:
         self.output_ids.append(token)
+        self.last_logprob = logprob
         return self.finish_reason()
 
     def finish_reason(self) -> str | None:

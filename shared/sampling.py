@@ -1,19 +1,29 @@
-"""Sampling parameters and a sampler whose random draw depends only on (seed, token index).
+"""Sampling parameters and a sampler whose choice for a row depends only on that row's request.
 
-Because the draw for token i is a pure function of the request's seed and i, a seeded request
-yields the same tokens whichever tier (RLD or MD) happens to produce token i. The same holds for
-what depends on i alone: `min_tokens` keeps every token that would end the answer out of
-positions below it.
+The random draw for output token i is a pure function of the request's seed and i, and what the
+options read besides the logits (the position, the request's prompt and every earlier output token)
+every tier knows, so a request yields the same tokens whichever tier (RLD or MD) produces token i,
+and after a migration. Options follow vLLM's definitions, in vLLM's order:
+
+1. logprobs: log_softmax of the model's logits, before anything below (vLLM's "raw_logprobs");
+2. the row's own logits processors (`SamplingRow.processors`), min_tokens, logit_bias;
+3. repetition, frequency and presence penalties;
+4. greedy: argmax; random: temperature, min_p, top_k, top_p, then the seeded draw.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from shared.errors import BadRequest
+
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI and vLLM show -9999.0 for it
 
 
 @dataclass(frozen=True)
@@ -27,6 +37,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # the client's: always end it
     ignore_eos: bool = False
     min_tokens: int = 0  # no token that would end the answer at output positions below this
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already in the output
+    frequency_penalty: float = 0.0  # subtracted once per time the token is in the output
+    repetition_penalty: float = 1.0  # tokens in prompt or output: positive logits divided, negative multiplied
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest (after temperature)
+    logprobs: int | None = None  # None: off; N: each token's logprob and the N likeliest tokens'
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -39,21 +55,38 @@ class SamplingParams:
             raise BadRequest("top_k must be 0 (off) or positive")
         if self.min_tokens < 0:
             raise BadRequest("min_tokens must be 0 or positive")
+        if not (-2.0 <= self.presence_penalty <= 2.0 and -2.0 <= self.frequency_penalty <= 2.0):
+            raise BadRequest("presence_penalty and frequency_penalty must be between -2 and 2")
+        if not (0.0 < self.repetition_penalty and math.isfinite(self.repetition_penalty)):
+            raise BadRequest("repetition_penalty must be a positive number")
+        if any(token < 0 or not -100.0 <= bias <= 100.0 for token, bias in self.logit_bias.items()):
+            raise BadRequest("logit_bias maps token ids to numbers between -100 and 100")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise BadRequest("min_p must be between 0 and 1")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise BadRequest(f"logprobs must be None or between 0 and {MAX_LOGPROBS}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """A penalty reads the request's earlier tokens."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["logit_bias"] = {str(token): bias for token, bias in self.logit_bias.items()}  # JSON keys are strings
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:
         return cls(**{**d, "eos_token_ids": tuple(d.get("eos_token_ids", ())),
-                      "stop_token_ids": tuple(d.get("stop_token_ids", ()))})
+                      "stop_token_ids": tuple(d.get("stop_token_ids", ())),
+                      "logit_bias": {int(token): float(bias) for token, bias in d.get("logit_bias", {}).items()}})
 
     @property
     def ending_token_ids(self) -> tuple[int, ...]:
@@ -67,6 +100,47 @@ class SamplingParams:
         """Output position `token_index` may not end the answer (it is below min_tokens)."""
         return token_index < self.min_tokens and bool(self.ending_token_ids)
 
+    def changes_logits(self, token_index: int) -> bool:
+        """Some option changes the logits at output position `token_index` before the pick."""
+        return self.penalized or bool(self.logit_bias) or self.holds_back_endings(token_index)
+
+    @functools.cached_property
+    def logit_bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """logit_bias as (token ids, biases) tensors, made once per request."""
+        return (torch.tensor(list(self.logit_bias), dtype=torch.long),
+                torch.tensor(list(self.logit_bias.values()), dtype=torch.float32))
+
+
+LogitsProcessor = Callable[[torch.Tensor], None]
+"""Changes one row's float32 logits [vocab] in place, before the built-in options (a grammar's mask)."""
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the sampler needs of one row: the request's options, the output position it samples and,
+    where an option reads them, the request's tokens (DecodeSequence.sampling_row fills them)."""
+
+    params: SamplingParams
+    token_index: int  # the request's output position being sampled (seeds the draw, min_tokens)
+    prompt_ids: Sequence[int] = ()  # the request's own prompt: read by repetition_penalty
+    output_ids: Sequence[int] = ()  # every output token before token_index: read by the penalties
+    processors: tuple[LogitsProcessor, ...] = ()  # per-request steps, applied first, in order
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's logprob under the model's raw distribution, and the `logprobs` likeliest
+    tokens as (token id, logprob), likeliest first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Sampled:
+    token_id: int
+    logprob: TokenLogprob | None = None  # when the request asks for logprobs
+
 
 def _draw_seed(seed: int, token_index: int) -> int:
     digest = hashlib.blake2b(f"{seed}:{token_index}".encode(), digest_size=8).digest()
@@ -75,10 +149,13 @@ def _draw_seed(seed: int, token_index: int) -> int:
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, token_index: int) -> int:
     """Pick the token at absolute output position `token_index` from last-position logits [vocab]
-    (min_tokens is sample_tokens' to apply, for all rows at once)."""
+    whose options (min_tokens, logit_bias, penalties) are already applied."""
     if params.greedy:
         return int(torch.argmax(logits).item())
     scores = logits.float() / params.temperature
+    if params.min_p > 0.0:
+        probs = torch.softmax(scores, dim=-1)
+        scores = scores.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if params.top_k > 0 and params.top_k < scores.numel():
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -93,29 +170,92 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, token_index: int)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
 
 
+def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sampled]:
+    """One token for each row of logits [rows, vocab]. Rows without options cost what greedy always
+    did (one batched argmax); options and logprobs are batched over the rows that ask for them."""
+    adjusted = apply_options(logits, rows)
+    tokens = _pick(adjusted, rows)
+    logprobs = _logprobs(logits, rows, tokens)
+    return [Sampled(token, logprob) for token, logprob in zip(tokens, logprobs)]
+
+
 def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], token_indices: Sequence[int]) -> list[int]:
-    """sample_token for every row of logits [rows, vocab]; greedy rows in one argmax and one device sync."""
-    logits = _without_early_endings(logits, params, token_indices)
-    greedy = [i for i, p in enumerate(params) if p.greedy]
-    tokens = [0] * len(params)
+    """sample_rows for rows that read no earlier tokens: just the token ids."""
+    rows = [SamplingRow(p, index) for p, index in zip(params, token_indices)]
+    return [s.token_id for s in sample_rows(logits, rows)]
+
+
+def apply_options(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """The logits with every row's processors, min_tokens, logit_bias and penalties applied (a float32
+    copy), or the logits themselves when no row has any."""
+    changed = [i for i, row in enumerate(rows) if row.processors or row.params.changes_logits(row.token_index)]
+    if not changed:
+        return logits
+    logits = logits.to(torch.float32, copy=True)
+    for i in changed:
+        row, params = rows[i], rows[i].params
+        for processor in row.processors:
+            processor(logits[i])
+        if params.holds_back_endings(row.token_index):
+            logits[i, list(params.ending_token_ids)] = float("-inf")
+        if params.logit_bias:
+            ids, biases = params.logit_bias_tensors
+            logits[i].index_add_(0, ids.to(logits.device), biases.to(logits.device))
+    penalized = [i for i in changed if rows[i].params.penalized]
+    if penalized:
+        logits[penalized] = _penalized(logits[penalized], [rows[i] for i in penalized])
+    return logits
+
+
+def _penalized(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """vLLM's penalties on logits [rows, vocab]: repetition over prompt and output tokens, then
+    frequency (per occurrence) and presence (once) over output tokens, as OpenAI defines them."""
+    vocab = logits.shape[-1]
+    device = logits.device
+
+    def counts(ids: Sequence[int]) -> torch.Tensor:
+        return torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab)[:vocab]
+
+    output_counts = torch.stack([counts(row.output_ids) for row in rows]).to(device)
+    in_output = output_counts > 0
+    per_row = [[row.params.repetition_penalty, row.params.frequency_penalty, row.params.presence_penalty]
+               for row in rows]
+    repetition, frequency, presence = torch.tensor(per_row, dtype=torch.float32, device=device).unsqueeze(2).unbind(1)
+    if any(row.params.repetition_penalty != 1.0 for row in rows):
+        seen = in_output | torch.stack([counts(row.prompt_ids) > 0 for row in rows]).to(device)
+        penalty = torch.where(seen, repetition, 1.0)
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return logits - frequency * output_counts - presence * in_output
+
+
+def _pick(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
+    """Greedy rows in one argmax and one device sync; random rows each with their own seeded draw."""
+    greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+    tokens = [0] * len(rows)
     if greedy:
-        picked = logits if len(greedy) == len(params) else logits[greedy]
+        picked = logits if len(greedy) == len(rows) else logits[greedy]
         for i, token in zip(greedy, torch.argmax(picked, dim=-1).tolist()):
             tokens[i] = token
-    for i, (p, index) in enumerate(zip(params, token_indices)):
-        if not p.greedy:
-            tokens[i] = sample_token(logits[i], p, index)
+    for i, row in enumerate(rows):
+        if not row.params.greedy:
+            tokens[i] = sample_token(logits[i], row.params, row.token_index)
     return tokens
 
 
-def _without_early_endings(logits: torch.Tensor, params: Sequence[SamplingParams],
-                           token_indices: Sequence[int]) -> torch.Tensor:
-    """The logits with every ending token at -inf in rows whose position is below min_tokens."""
-    held = [(row, p.ending_token_ids) for row, (p, index) in enumerate(zip(params, token_indices))
-            if p.holds_back_endings(index)]
-    if not held:
-        return logits
-    logits = logits.clone()
-    for row, ending in held:
-        logits[row, list(ending)] = float("-inf")
-    return logits
+def _logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow], tokens: Sequence[int]) -> list[TokenLogprob | None]:
+    """The chosen tokens' and the likeliest tokens' logprobs under the raw logits, for the rows that ask."""
+    wanting = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    found: list[TokenLogprob | None] = [None] * len(rows)
+    if not wanting:
+        return found
+    raw = logits if len(wanting) == len(rows) else logits[wanting]
+    logprobs = torch.log_softmax(raw.float(), dim=-1).clamp_min(MIN_LOGPROB)
+    chosen_ids = torch.tensor([[tokens[i]] for i in wanting], device=logprobs.device)
+    chosen = logprobs.gather(1, chosen_ids).squeeze(1).tolist()
+    most = max(rows[i].params.logprobs for i in wanting)
+    top_values, top_ids = logprobs.topk(most, dim=-1) if most else (logprobs[:, :0], logprobs[:, :0].long())
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    for k, i in enumerate(wanting):
+        n = rows[i].params.logprobs
+        found[i] = TokenLogprob(chosen[k], tuple(zip(top_ids[k][:n], top_values[k][:n])))
+    return found

@@ -219,5 +219,6 @@ class DecoderService:
     async def publish_token(self, request: DecodeRequest, finish_reason: str | None) -> None:
         seq = request.seq
         self.metrics.output_tokens.inc()
+        logprobs = None if seq.last_logprob is None else [seq.last_logprob]
         await bus.publish(self.nc, request.events_subject, TokenChunk(
-            request.request_id, len(seq.output_ids) - 1, [seq.output_ids[-1]], self.name, finish_reason))
+            request.request_id, len(seq.output_ids) - 1, [seq.output_ids[-1]], self.name, finish_reason, logprobs))
