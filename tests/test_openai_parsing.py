@@ -29,6 +29,7 @@ from shared.config import CommonConfig, GatewayConfig
 from shared.errors import BadRequest, DeadlineExceeded, PddError, PeerGone, RequestAborted
 from shared.messages import HandoffStats
 from shared.models import load_tokenizer, resolve_model
+from shared.sampling import TokenLogprob
 
 MODEL = "tiny-llama"
 CONTEXT = 2048
@@ -163,9 +164,8 @@ def test_bad_completion_prompts_are_refused(tokenizer, body):
 
 NOT_HONOURED_VALUES = {
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "functions": [{"name": "f"}],
-    "function_call": "auto", "response_format": {"type": "json_object"}, "logprobs": True, "top_logprobs": 2,
-    "echo": True, "suffix": "x", "presence_penalty": 0.5, "frequency_penalty": "x", "repetition_penalty": 1.2,
-    "logit_bias": {"50256": -100}, "min_p": 0.1, "best_of": 2, "prompt_logprobs": 1, "prediction": {"type": "content", "content": "x"}, "audio": {"voice": "x"},
+    "function_call": "auto", "response_format": {"type": "json_object"},
+    "echo": True, "suffix": "x", "best_of": 2, "prompt_logprobs": 1, "prediction": {"type": "content", "content": "x"}, "audio": {"voice": "x"},
     "modalities": ["text", "audio"], "web_search_options": {}, "reasoning_effort": "low", "verbosity": "low", "guided_json": {},
     "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= 'a'", "structured_outputs": {"json": {}},
 }
@@ -231,6 +231,70 @@ def test_stop_token_ids_min_tokens_and_include_stop_str_are_parsed(tokenizer):
     ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
 ])
 def test_bad_stop_and_min_tokens_values_name_their_field(tokenizer, body, param):
+    with pytest.raises(InvalidParam) as info:
+        completion(tokenizer, {"prompt": "x", **body})
+    assert info.value.param == param
+
+
+def test_penalties_logit_bias_and_min_p_are_read(tokenizer):
+    s = completion(tokenizer, {"prompt": "x", "presence_penalty": -2, "frequency_penalty": 1.5,
+                               "repetition_penalty": 1.3, "logit_bias": {"50": -100, "7": 2.5}, "min_p": 0.2}).sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p) == (-2.0, 1.5, 1.3, 0.2)
+    assert s.logit_bias == {50: -100.0, 7: 2.5}
+    plain = completion(tokenizer, {"prompt": "x"}).sampling
+    assert (plain.presence_penalty, plain.frequency_penalty, plain.repetition_penalty, plain.logit_bias,
+            plain.min_p, plain.logprobs) == (0.0, 0.0, 1.0, {}, 0.0, None)
+
+
+def test_chat_logprobs_and_top_logprobs_are_read(tokenizer):
+    assert chat(tokenizer, {"messages": USER_HI, "logprobs": True, "top_logprobs": 20}).sampling.logprobs == 20
+    assert chat(tokenizer, {"messages": USER_HI, "logprobs": True}).sampling.logprobs == 0
+    for off in ({"logprobs": False}, {"logprobs": False, "top_logprobs": 0}, {"top_logprobs": None}, {}):
+        assert chat(tokenizer, {"messages": USER_HI, **off}).sampling.logprobs is None
+
+
+def test_completion_logprobs_count_the_alternatives(tokenizer):
+    assert completion(tokenizer, {"prompt": "x", "logprobs": 5}).sampling.logprobs == 5
+    assert completion(tokenizer, {"prompt": "x", "logprobs": 0}).sampling.logprobs == 0  # the chosen token's only
+    assert completion(tokenizer, {"prompt": "x", "logprobs": None}).sampling.logprobs is None
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"presence_penalty": "x"}, "presence_penalty"),
+    ({"presence_penalty": True}, "presence_penalty"), ({"frequency_penalty": -2.01}, "frequency_penalty"),
+    ({"frequency_penalty": "x"}, "frequency_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": -1}, "repetition_penalty"), ({"repetition_penalty": "x"}, "repetition_penalty"),
+    ({"logit_bias": "x"}, "logit_bias"), ({"logit_bias": [1]}, "logit_bias"),
+    ({"logit_bias": {"50": 101}}, "logit_bias"), ({"logit_bias": {"50": -100.5}}, "logit_bias"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {"49152": 1}}, "logit_bias"), ({"logit_bias": {"5": "x"}}, "logit_bias"),
+    ({"logit_bias": {"5": True}}, "logit_bias"), ({"logit_bias": {"5": None}}, "logit_bias"),
+    ({"min_p": 1.5}, "min_p"), ({"min_p": -0.1}, "min_p"), ({"min_p": "x"}, "min_p"),
+])
+def test_bad_penalties_bias_and_min_p_name_their_field(tokenizer, body, param):
+    for parse, base in ((chat, {"messages": USER_HI}), (completion, {"prompt": "x"})):
+        with pytest.raises(InvalidParam) as info:
+            parse(tokenizer, {**base, **body})
+        assert info.value.param == param
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"logprobs": 1}, "logprobs"), ({"logprobs": "yes"}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 2.5}, "top_logprobs"), ({"top_logprobs": 3}, "top_logprobs"),
+    ({"logprobs": False, "top_logprobs": 3}, "top_logprobs"),
+])
+def test_bad_chat_logprobs_name_their_field(tokenizer, body, param):
+    with pytest.raises(InvalidParam) as info:
+        chat(tokenizer, {"messages": USER_HI, **body})
+    assert info.value.param == param
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"logprobs": 6}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"logprobs": True}, "logprobs"),
+    ({"logprobs": 2.0}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+])
+def test_bad_completion_logprobs_name_their_field(tokenizer, body, param):
     with pytest.raises(InvalidParam) as info:
         completion(tokenizer, {"prompt": "x", **body})
     assert info.value.param == param
@@ -302,6 +366,13 @@ _fields = {
     "stream": st.booleans() | _json,
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | _json}) | _json,
     "ignore_eos": st.booleans() | _json,
+    "presence_penalty": st.floats(-3, 3) | _json,
+    "repetition_penalty": st.floats(-1, 3) | _json,
+    "logit_bias": st.dictionaries(st.integers(-2, 60000).map(str) | st.text(max_size=3),
+                                  st.floats(-120, 120) | _json, max_size=3) | _json,
+    "min_p": st.floats(-0.5, 1.5) | _json,
+    "logprobs": st.booleans() | st.integers(-1, 25) | _json,
+    "top_logprobs": st.integers(-1, 25) | _json,
     "pdd": st.fixed_dictionaries({}, optional={
         "pipeline": st.sampled_from(["p-md", "p-rld-md", "x"]) | _json,
         "handoff_at": st.integers(-2, 50) | _json,
@@ -369,6 +440,13 @@ class FakeRun:
         self.closed = asyncio.Event()
         self._token_ids, self._finish, self._relay_tokens = token_ids, finish, relay_tokens
         self._fail_at, self._endless, self._stall_at = fail_at, endless, stall_at
+        self._top_logprobs = req.sampling.logprobs
+
+    def _logprob(self, i: int, token: int) -> TokenLogprob | None:
+        """A made-up distribution: token i at logprob -(i+1)/8, tokens 100, 101, ... likelier."""
+        if self._top_logprobs is None:
+            return None
+        return TokenLogprob(fake_logprob(i), tuple((100 + k, -k / 16) for k in range(self._top_logprobs)))
 
     async def tokens(self) -> AsyncIterator[TokenEvent]:
         if self._first_token_gate is not None:
@@ -383,7 +461,7 @@ class FakeRun:
                 self.handoff = HandoffStats(self.request_id, i, 0.01, 0.002, 0.003)
             last = i == len(self._token_ids) - 1 and not self._endless
             await asyncio.sleep(0.005 if self._endless else 0)
-            yield TokenEvent(i, token, tier, self._finish if last else None)
+            yield TokenEvent(i, token, tier, self._finish if last else None, self._logprob(i, token))
         while self._endless:
             await asyncio.sleep(0.005)
             yield TokenEvent(len(self._token_ids), self._token_ids[0], "main", None)
@@ -394,6 +472,10 @@ class FakeRun:
     async def close(self, reason: str) -> None:
         self.close_reasons.append(reason)
         self.closed.set()
+
+
+def fake_logprob(i: int) -> float:
+    return -(i + 1) / 8
 
 
 class FakeDispatcher:
@@ -554,6 +636,60 @@ async def test_a_field_pdd_cannot_honour_is_a_400_naming_it_through_the_client(t
         result = await client.chat.completions.create(model=MODEL, messages=USER_HI, logprobs=False,
                                                       presence_penalty=0, response_format={"type": "text"})
     assert result.choices[0].message.content == TEXT  # the neutral values ask for nothing: served
+
+
+async def test_chat_logprobs_have_openais_shape_streamed_and_not(tokenizer):
+    dispatcher = FakeDispatcher(tokenizer, TEXT, finish="stop")
+    ids = dispatcher.token_ids
+    async with serve(dispatcher, tokenizer) as url, openai_client(url) as client:
+        full = await client.chat.completions.create(model=MODEL, messages=USER_HI, logprobs=True, top_logprobs=3)
+        stream = await client.chat.completions.create(model=MODEL, messages=USER_HI, logprobs=True, top_logprobs=3,
+                                                      stream=True)
+        chunks = [chunk async for chunk in stream]
+        plain = await client.chat.completions.create(model=MODEL, messages=USER_HI)
+    assert dispatcher.requests[0].sampling.logprobs == 3 and plain.choices[0].logprobs is None
+    content = full.choices[0].logprobs.content
+    assert [c.token for c in content] == [tokenizer.decode([t]) for t in ids]  # EOS included: a counted token
+    assert [c.logprob for c in content] == [fake_logprob(i) for i in range(len(ids))]
+    assert b"".join(bytes(c.bytes) for c in content[:-1]).decode() == TEXT  # whole characters from the bytes
+    assert [[(t.token, t.logprob) for t in c.top_logprobs] for c in content] == \
+        [[(tokenizer.decode([100 + k]), -k / 16) for k in range(3)]] * len(ids)
+    streamed = [c for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+                for c in chunk.choices[0].logprobs.content]
+    assert streamed == content
+    assert all(len(chunk.choices[0].logprobs.content) == 1 for chunk in chunks
+               if chunk.choices and chunk.choices[0].finish_reason is None)
+
+
+async def test_completion_logprobs_list_tokens_alternatives_and_offsets(tokenizer):
+    dispatcher = FakeDispatcher(tokenizer, TEXT, finish="length")
+    ids = dispatcher.token_ids
+    async with serve(dispatcher, tokenizer) as url, openai_client(url) as client:
+        full = await client.completions.create(model=MODEL, prompt="x", logprobs=2, max_tokens=50)
+        stream = await client.completions.create(model=MODEL, prompt="x", logprobs=2, max_tokens=50, stream=True)
+        chunks = [chunk async for chunk in stream]
+    logprobs = full.choices[0].logprobs
+    tokens = [tokenizer.decode([t]) for t in ids]
+    assert logprobs.tokens == tokens
+    assert logprobs.token_logprobs == [fake_logprob(i) for i in range(len(ids))]
+    # the two likeliest, and always the chosen token
+    assert logprobs.top_logprobs[0] == {tokenizer.decode([100]): 0.0, tokenizer.decode([101]): -1 / 16,
+                                        tokens[0]: fake_logprob(0)}
+    assert logprobs.text_offset == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    parts = [chunk.choices[0].logprobs for chunk in chunks if chunk.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == logprobs.tokens
+    assert [o for p in parts for o in p.text_offset] == logprobs.text_offset
+
+
+async def test_logprobs_cover_every_counted_token_when_a_stop_string_cuts_the_text(tokenizer):
+    dispatcher = FakeDispatcher(tokenizer, TEXT, finish="length")
+    async with serve(dispatcher, tokenizer) as url, openai_client(url) as client:
+        result = await client.completions.create(model=MODEL, prompt="x", stop=["works"], logprobs=0, max_tokens=50)
+    logprobs = result.choices[0].logprobs
+    assert result.choices[0].text == "Bonjour 😀! 日本語 "
+    assert len(logprobs.tokens) == result.usage.completion_tokens  # up to the token that completed "works"
+    assert "".join(logprobs.tokens).endswith("works")
+    assert all(len(top) == 1 for top in logprobs.top_logprobs)  # logprobs 0: the chosen token only
 
 
 async def test_no_instance_is_503_with_retry_after(tokenizer):

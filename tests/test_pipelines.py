@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tools.api_client import ApiError, stream_completion
+from tools.api_client import ApiError, sse_events, stream_completion
 from tools.launcher import LocalStack
 from tools.stack_config import StackConfig
 
@@ -118,6 +118,73 @@ async def test_stop_token_ids_and_min_tokens_give_the_same_answer_on_every_tier(
     assert held[0].token_ids == held[1].token_ids
     assert stop_id not in held[0].token_ids[:first + 3] and len(held[0].token_ids) >= first + 3
     assert held[1].tiers[:5] == ["relay"] * 5 and "main" in held[1].tiers
+
+
+async def stream_logprobs(session, stack, body: dict) -> tuple[list[int], list[str], list[float], list[dict]]:
+    """A streamed completion's token ids, tiers, and each token's logprob and likeliest alternatives."""
+    ids, tiers, logprobs, tops = [], [], [], []
+    async with session.post(stack.api_url + "/v1/completions", json={**body, "stream": True}) as resp:
+        assert resp.status == 200, await resp.text()
+        async for event in sse_events(resp):
+            assert "error" not in event, event
+            for token in event["pdd"]["tokens"]:
+                ids.append(token["id"])
+                tiers.append(token["tier"])
+            if event["choices"] and event["choices"][0]["logprobs"]:
+                logprobs += event["choices"][0]["logprobs"]["token_logprobs"]
+                tops += event["choices"][0]["logprobs"]["top_logprobs"]
+    assert len(logprobs) == len(ids)
+    return ids, tiers, logprobs, tops
+
+
+@pytest.mark.parametrize("temperature", [0, 0.8])
+async def test_penalties_bias_and_logprobs_are_the_same_on_every_tier(stack, session, prompts, tiny_tokenizer,
+                                                                      tiny_generate, temperature):
+    """Every option that reads earlier tokens gives the same answer when MD takes over after RLD made
+    3 of them, and the logprobs MD reports for its tokens match what P-MD reports for the same ones."""
+    prompt_ids = fresh(tiny_tokenizer, f"options {temperature}", prompts[3])
+    plain = tiny_generate(prompt_ids, 24)
+    banned = plain[0]
+
+    def body(pipeline: str) -> dict:
+        handoff = {"handoff_at": 3} if pipeline == "p-rld-md" else {}
+        return {"prompt": prompt_ids, "max_tokens": 24, "temperature": temperature, "seed": 77,
+                "presence_penalty": 0.6, "frequency_penalty": 0.4, "repetition_penalty": 1.3,
+                "logit_bias": {str(banned): -100}, "min_p": 0.02, "logprobs": 3, "ignore_eos": True,
+                "pdd": {"pipeline": pipeline, **handoff}}
+
+    md_ids, md_tiers, md_logprobs, md_tops = await stream_logprobs(session, stack, body("p-md"))
+    split_ids, split_tiers, split_logprobs, split_tops = await stream_logprobs(session, stack, body("p-rld-md"))
+    assert split_tiers == ["relay"] * 3 + ["main"] * 21 and set(md_tiers) == {"main"}
+    assert split_ids == md_ids and len(md_ids) == 24
+    assert banned not in md_ids and md_ids != plain  # the options did something
+    assert split_logprobs == pytest.approx(md_logprobs, abs=1e-4)
+    for md_top, split_top in zip(md_tops, split_tops):
+        assert split_top.keys() == md_top.keys()
+        assert list(split_top.values()) == pytest.approx(list(md_top.values()), abs=1e-4)
+
+
+async def test_openai_client_gets_chat_logprobs_on_both_pipelines(stack, tiny_tokenizer, tiny_generate):
+    client = openai.AsyncOpenAI(base_url=stack.api_url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Count to five."}]
+    expected = None
+    for pdd in ({"pipeline": "p-md"}, {"pipeline": "p-rld-md", "handoff_at": 4}):
+        result = await client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=12,
+                                                      temperature=0, logprobs=True, top_logprobs=2,
+                                                      extra_body={"pdd": pdd, "ignore_eos": True})
+        content = result.choices[0].logprobs.content
+        assert len(content) == result.usage.completion_tokens == 12
+        assert "".join(c.token for c in content) == result.choices[0].message.content
+        for entry in content:  # greedy without options: the chosen token is the likeliest
+            assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token
+            assert entry.top_logprobs[0].logprob == entry.logprob <= 0 and entry.top_logprobs[1].logprob <= entry.logprob
+        got = [(c.token, c.logprob) for c in content]
+        if expected is None:
+            expected = got
+        else:
+            assert [t for t, _ in got] == [t for t, _ in expected]
+            assert [v for _, v in got] == pytest.approx([v for _, v in expected], abs=1e-4)
+    await client.close()
 
 
 async def test_openai_client_works_streamed_and_not(stack, tiny_tokenizer, tiny_generate):

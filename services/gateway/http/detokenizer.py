@@ -1,15 +1,18 @@
-"""Token ids to user-visible text, one token at a time: incremental detokenisation and stop strings.
+"""Token ids to user-visible text, one token at a time: incremental detokenisation and stop strings,
+and each token's own text and bytes (what logprobs show).
 
 Owns only text: it never decides when generation ends except by reporting that a stop string
 appeared. It knows nothing of HTTP or of the tiers that produced the tokens.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
+BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
 # Prompt tokens decoded in front of the first output token, so tokenizers that strip a leading
 # space from the start of a decode (SentencePiece) still show the space of the first output word.
 PROMPT_CONTEXT_TOKENS = 5
@@ -136,3 +139,46 @@ class OutputText:
         if self._stop.stopped:
             return TextDelta(text, True)
         return TextDelta(text + self._stop.flush(), False)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, inverted: the character that stands for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
+
+
+BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
+
+
+class TokenStrings:
+    """Each token's own text and bytes, for logprobs: the token decoded alone (special tokens shown),
+    and the bytes it stands for, which a token holding part of a character has even though its text
+    is U+FFFD. Cached per token id (at most the vocabulary)."""
+
+    def __init__(self, tokenizer: Decoder) -> None:
+        self._tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._byte_level = "ByteLevel" in repr(decoder)
+        self._known: dict[int, tuple[str, list[int]]] = {}
+
+    def get(self, token_id: int) -> tuple[str, list[int]]:
+        known = self._known.get(token_id)
+        if known is None:
+            known = self._known[token_id] = self._strings(token_id)
+        return known
+
+    def text(self, token_id: int) -> str:
+        return self.get(token_id)[0]
+
+    def _strings(self, token_id: int) -> tuple[str, list[int]]:
+        text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        convert = getattr(self._tokenizer, "convert_ids_to_tokens", None)
+        piece = convert(token_id) if convert is not None else None
+        if isinstance(piece, str):
+            if (byte := BYTE_FALLBACK_PIECE.fullmatch(piece)) is not None:
+                return text, [int(byte[1], 16)]
+            if self._byte_level and all(c in BYTE_LEVEL_ALPHABET for c in piece):
+                return text, [BYTE_LEVEL_ALPHABET[c] for c in piece]
+        return text, list(text.encode("utf-8"))

@@ -25,7 +25,7 @@ from opentelemetry import trace
 from services.gateway.http.admission import Admission, ClientLeft
 from services.gateway.http.body_reading import read_body
 from services.gateway.http.client_watch import ClientWatch, client_gone
-from services.gateway.http.detokenizer import OutputText
+from services.gateway.http.detokenizer import OutputText, TokenStrings
 from services.gateway.http.http_errors import error_payload
 from services.gateway.http.request_parsing import (
     ModelNotFound,
@@ -40,7 +40,7 @@ from services.gateway.run.attempt import GenerationRequest
 from services.gateway.run.request_run import new_request_id
 from shared import tracing
 from shared.config import GatewayConfig
-from shared.errors import DeadlineExceeded, PddError, RequestAborted
+from shared.errors import DeadlineExceeded, PddError, ProtocolError, RequestAborted
 from shared.metrics import GatewayMetrics
 from shared.names import Role
 
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from services.gateway.routing.dispatcher import Dispatcher
     from services.gateway.run.request_run import RequestRun, TokenEvent
     from shared.messages import HandoffStats
+    from shared.sampling import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class _Step:
     text: str
     finish_reason: str | None
     handoff: Json | None  # MD's handoff stats, on the step at the run's cut (if they are known by then)
+    logprob: TokenLogprob | None = None  # when the request asks for logprobs
 
 
 class _ClientGone(Exception):
@@ -87,6 +89,7 @@ class _Generation:
         self._text = OutputText(tokenizer, parsed.prompt_ids, parsed.stop, include_stop=parsed.include_stop)
         # a client's stop_token_ids are shown, as vLLM shows them (a special token's text is empty anyway)
         self._shown_stop_ids = frozenset(parsed.sampling.stop_token_ids) - frozenset(parsed.sampling.eos_token_ids)
+        self._wants_logprobs = parsed.sampling.logprobs is not None
         self._deadline = asyncio.get_running_loop().time() + config.request_timeout_s
         self._handoff_reported = False
         self.tokens_by_tier = {str(Role.RELAY): 0, str(Role.MAIN): 0}
@@ -117,7 +120,9 @@ class _Generation:
             self.finish_reason = finish
             self.close_reason = "stop_string" if delta.stopped else "finished"
         handoff = self.take_handoff() if event.index == self.run.cut_index else None
-        return _Step(event.index, event.token_id, event.tier, text, finish, handoff)
+        if self._wants_logprobs and event.logprob is None:
+            raise ProtocolError(f"{self.run.request_id}: {event.tier} sent token {event.index} without its logprobs")
+        return _Step(event.index, event.token_id, event.tier, text, finish, handoff, event.logprob)
 
     def summary(self) -> Json:
         """The run's own summary plus what only the HTTP layer counts."""
@@ -181,6 +186,41 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Js
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+class _Logprobs:
+    """One response's logprobs in OpenAI's shapes, from each token's TokenLogprob (the model's raw
+    distribution). Chat: `content`, an entry per token with its `top_logprobs`. Completions: parallel
+    lists, where `top_logprobs` holds the likeliest tokens and always the chosen one, and `text_offset`
+    counts the tokens' own strings, as vLLM counts it."""
+
+    def __init__(self, strings: TokenStrings, chat: bool) -> None:
+        self._strings = strings
+        self._chat = chat
+        self._text_offset = 0  # completions: where the next token's string starts
+
+    def of(self, steps: list[_Step]) -> Json:
+        if self._chat:
+            return {"content": [self._chat_entry(step.token_id, step.logprob) for step in steps]}
+        tokens, offsets = [self._strings.text(step.token_id) for step in steps], []
+        for token in tokens:
+            offsets.append(self._text_offset)
+            self._text_offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [step.logprob.logprob for step in steps],
+                "top_logprobs": [self._alternatives(step) for step in steps], "text_offset": offsets}
+
+    def _chat_entry(self, token_id: int, logprob: TokenLogprob) -> Json:
+        return {**self._token(token_id, logprob.logprob),
+                "top_logprobs": [self._token(top_id, value) for top_id, value in logprob.top]}
+
+    def _token(self, token_id: int, logprob: float) -> Json:
+        text, raw = self._strings.get(token_id)
+        return {"token": text, "logprob": logprob, "bytes": raw}
+
+    def _alternatives(self, step: _Step) -> dict[str, float]:
+        alternatives = {self._strings.text(top_id): value for top_id, value in step.logprob.top}
+        alternatives.setdefault(self._strings.text(step.token_id), step.logprob.logprob)
+        return alternatives
+
+
 @dataclass(frozen=True)
 class _Shapes:
     """Builds one response's OpenAI objects: chat.completion(.chunk) or text_completion."""
@@ -190,6 +230,7 @@ class _Shapes:
     model: str
     chat: bool
     include_usage: bool
+    logprobs: _Logprobs | None = None  # when the request asks for them
 
     def _head(self, object_name: str) -> Json:
         return {"id": self.response_id, "object": object_name, "created": self.created, "model": self.model,
@@ -201,13 +242,17 @@ class _Shapes:
             chunk["usage"] = None  # OpenAI sends null usage on every chunk but the last
         return chunk
 
-    def _choice(self, text: str, finish_reason: str | None, *, first: bool = False) -> Json:
+    def _choice(self, text: str, finish_reason: str | None, *, first: bool = False,
+                logprobs: Json | None = None) -> Json:
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         delta: Json = {} if finish_reason is not None else {"content": text}
         if first:  # OpenAI's first chunk names the role beside the first token's text
             delta = {"role": "assistant", **delta}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def _logprobs_of(self, steps: list[_Step]) -> Json | None:
+        return None if self.logprobs is None else self.logprobs.of(steps)
 
     def token_chunk(self, step: _Step, pipeline: str) -> Json:
         """The chunk of one token; the first (index 0) also carries the assistant role, so that the
@@ -215,7 +260,8 @@ class _Shapes:
         pdd: Json = {"tokens": [{"index": step.index, "id": step.token_id, "tier": step.tier}], "pipeline": pipeline}
         if step.handoff is not None:
             pdd["handoff"] = step.handoff
-        return {**self._chunk([self._choice(step.text, None, first=step.index == 0)]), "pdd": pdd}
+        choice = self._choice(step.text, None, first=step.index == 0, logprobs=self._logprobs_of([step]))
+        return {**self._chunk([choice]), "pdd": pdd}
 
     def final_chunk(self, finish_reason: str, summary: Json, handoff: Json | None) -> Json:
         pdd: Json = {**summary, "tokens": []}
@@ -227,12 +273,13 @@ class _Shapes:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"),
                 "choices": [], "usage": usage}
 
-    def completion(self, text: str, finish_reason: str, usage: Json, pdd: Json) -> Json:
+    def completion(self, text: str, steps: list[_Step], finish_reason: str, usage: Json, pdd: Json) -> Json:
+        logprobs = self._logprobs_of(steps)
         if self.chat:
             choice: Json = {"index": 0, "message": {"role": "assistant", "content": text},
-                            "logprobs": None, "finish_reason": finish_reason}
+                            "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head("chat.completion" if self.chat else "text_completion"),
                 "choices": [choice], "usage": usage, "pdd": pdd}
 
@@ -265,6 +312,7 @@ class OpenAIHandlers:
         self._config = config
         self._max_context_tokens = max_context_tokens
         self._max_prompt_bytes = max_context_tokens * config.max_prompt_bytes_per_token
+        self._token_strings = TokenStrings(tokenizer)
         # The chat template and the tokeniser run here, not on the event loop: a big prompt would
         # stall every stream (the fast tokeniser releases the GIL while it works). Each thread of the
         # pool tokenises serially and at a lower CPU priority, so a huge prompt cannot take the cores
@@ -334,7 +382,9 @@ class OpenAIHandlers:
         self._telemetry.started(generation)
         shapes = _Shapes(response_id=("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + request_id[4:],
                          created=int(time.time()), model=self._served_model, chat=parsed.kind == "chat",
-                         include_usage=parsed.include_usage)
+                         include_usage=parsed.include_usage,
+                         logprobs=None if parsed.sampling.logprobs is None else
+                         _Logprobs(self._token_strings, parsed.kind == "chat"))
         try:
             # Before its first token nothing is written that could fail: the watch notices the
             # client gone within a second, and the run's close aborts the request on every tier.
@@ -360,10 +410,10 @@ class OpenAIHandlers:
 
     async def _respond(self, request: web.Request, parsed: ParsedRequest, generation: _Generation,
                        shapes: _Shapes) -> web.StreamResponse:
-        texts: list[str] = []
+        steps: list[_Step] = []
         while True:
             step = await generation.next_step()
-            texts.append(step.text)
+            steps.append(step)
             if step.finish_reason is not None:
                 break
             if client_gone(request):
@@ -371,7 +421,8 @@ class OpenAIHandlers:
                 return web.Response(status=499, reason="Client Closed Request")  # nobody reads it
         handoff = generation.run.handoff
         pdd = {**generation.summary(), "handoff": None if handoff is None else _handoff_json(handoff)}
-        body = shapes.completion("".join(texts), step.finish_reason, self._usage_of(parsed, generation), pdd)
+        body = shapes.completion("".join(s.text for s in steps), steps, step.finish_reason,
+                                 self._usage_of(parsed, generation), pdd)
         return _json_response(body, headers={"X-Request-Id": generation.run.request_id})
 
     async def _stream(self, request: web.Request, parsed: ParsedRequest, generation: _Generation,

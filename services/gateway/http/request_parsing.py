@@ -17,7 +17,7 @@ import orjson
 from shared.config import GatewayConfig
 from shared.errors import BadRequest
 from shared.names import FailurePolicy, HandoffMode, Pipeline, choices
-from shared.sampling import SamplingParams
+from shared.sampling import MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -27,14 +27,16 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # ints travel to the workers as JSON
 PDD_EXTENSION_FIELDS = ("pipeline", "handoff_at", "md_kv_delay_ms", "handoff_mode", "failure_policy")
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range is [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range is [-100, 100]
+MAX_COMPLETION_LOGPROBS = 5  # completions' `logprobs`: OpenAI's limit (chat's top_logprobs goes to 20)
 # Fields of OpenAI's (and vLLM's) request bodies that pdd does not honour yet, each with the values
 # that ask for nothing (None, or the field's default). Any other value is refused with a 400 naming
 # the field: a client must never get prose where it asked for a tool call, JSON or logprobs.
 NOT_HONOURED: dict[str, tuple[object, ...]] = {
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "response_format": ({"type": "text"},), "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,),
-    "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
-    "logit_bias": ({},), "min_p": (0,), "best_of": (1,), "prompt_logprobs": (0,), "prediction": (),
+    "response_format": ({"type": "text"},), "echo": (False,),
+    "suffix": ("",), "best_of": (1,), "prompt_logprobs": (0,), "prediction": (),
     "audio": (), "modalities": (["text"],), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
 }
@@ -239,6 +241,9 @@ def _parse_generation(fields: Mapping[str, object], kind: str, prompt_ids: list[
     min_tokens = _int(fields, "min_tokens", minimum=0) or 0
     if min_tokens > max_tokens:
         raise InvalidParam("min_tokens", f"min_tokens={min_tokens} is more than max_tokens={max_tokens}")
+    repetition_penalty = _number(fields, "repetition_penalty")
+    if repetition_penalty is not None and repetition_penalty <= 0.0:
+        raise InvalidParam("repetition_penalty", "repetition_penalty must be greater than 0")
     sampling = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
@@ -250,6 +255,12 @@ def _parse_generation(fields: Mapping[str, object], kind: str, prompt_ids: list[
         stop_token_ids=_stop_token_ids(fields.get("stop_token_ids"), len(tokenizer)),
         ignore_eos=_bool(fields, "ignore_eos"),
         min_tokens=min_tokens,
+        presence_penalty=_ranged(fields, "presence_penalty", -MAX_PENALTY, MAX_PENALTY) or 0.0,
+        frequency_penalty=_ranged(fields, "frequency_penalty", -MAX_PENALTY, MAX_PENALTY) or 0.0,
+        repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
+        logit_bias=_logit_bias(fields.get("logit_bias"), len(tokenizer)),
+        min_p=_ranged(fields, "min_p", 0.0, 1.0) or 0.0,
+        logprobs=_chat_logprobs(fields) if kind == "chat" else _completion_logprobs(fields),
     )
     return ParsedRequest(
         kind=kind, prompt_ids=tuple(prompt_ids), sampling=sampling, stop=_stop_strings(fields.get("stop")),
@@ -280,6 +291,47 @@ def _stop_token_ids(ids: object, vocab_size: int) -> tuple[int, ...]:
                                             for t in ids):
         raise InvalidParam("stop_token_ids", f"stop_token_ids must be a list of token ids in [0, {vocab_size})")
     return tuple(dict.fromkeys(ids))
+
+
+def _logit_bias(bias: object, vocab_size: int) -> dict[int, float]:
+    if bias is None:
+        return {}
+    message = (f"logit_bias must map token ids in [0, {vocab_size}) to numbers from -{MAX_LOGIT_BIAS:g} to "
+               f"{MAX_LOGIT_BIAS:g}")
+    if not isinstance(bias, dict):
+        raise InvalidParam("logit_bias", message)
+    parsed: dict[int, float] = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else -1
+        if (not 0 <= token < vocab_size or isinstance(value, bool) or not isinstance(value, (int, float))
+                or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise InvalidParam("logit_bias", f"{message}; got {key!r}: {value!r}")
+        parsed[token] = float(value)
+    return parsed
+
+
+def _chat_logprobs(fields: Mapping[str, object]) -> int | None:
+    """None (off), or how many of the likeliest tokens to show beside each chosen one."""
+    top = _small_int(fields, "top_logprobs", MAX_LOGPROBS)
+    if not _bool(fields, "logprobs"):
+        if top:
+            raise InvalidParam("top_logprobs", "top_logprobs needs logprobs: true")
+        return None
+    return top or 0
+
+
+def _completion_logprobs(fields: Mapping[str, object]) -> int | None:
+    if fields.get("top_logprobs") not in (None, 0):
+        raise InvalidParam("top_logprobs", f"completions take logprobs: N (0 to {MAX_COMPLETION_LOGPROBS}) "
+                                           "instead of top_logprobs")
+    return _small_int(fields, "logprobs", MAX_COMPLETION_LOGPROBS)
+
+
+def _small_int(fields: Mapping[str, object], name: str, most: int) -> int | None:
+    value = fields.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most):
+        raise InvalidParam(name, f"{name} must be null or an integer from 0 to {most}")
+    return value
 
 
 def _stop_strings(stop: object) -> tuple[str, ...]:
@@ -346,6 +398,16 @@ def _number(fields: Mapping[str, object], name: str, prefix: str = "") -> float 
         if math.isfinite(number):
             return number
     raise InvalidParam(prefix + name, f"{prefix}{name} must be a finite number")
+
+
+def _ranged(fields: Mapping[str, object], name: str, low: float, high: float) -> float | None:
+    try:
+        number = _number(fields, name)
+    except InvalidParam:
+        number = math.nan
+    if number is not None and not low <= number <= high:
+        raise InvalidParam(name, f"{name} must be a number from {low:g} to {high:g}")
+    return number
 
 
 def _bool(fields: Mapping[str, object], name: str, prefix: str = "") -> bool:

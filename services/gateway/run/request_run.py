@@ -56,6 +56,7 @@ from shared.messages import (
     TokenChunk,
 )
 from shared.names import HandoffMode, Pipeline, Role
+from shared.sampling import TokenLogprob
 
 if TYPE_CHECKING:
     from services.gateway.routing.policy import PipelineDecision
@@ -78,6 +79,7 @@ class TokenEvent:
     token_id: int
     tier: str
     finish_reason: str | None
+    logprob: TokenLogprob | None = None  # when the request asks for logprobs: from the tier that made it
 
 
 class RunPhase(enum.Enum):
@@ -267,11 +269,13 @@ class RequestRun:
         start = attempt.output_offset + chunk.start
         if chunk.tier == Role.MAIN:
             self._cut(attempt, start)
+        logprobs = chunk.logprobs if chunk.logprobs and len(chunk.logprobs) == len(chunk.token_ids) else None
         for offset, token in enumerate(chunk.token_ids):
             index = start + offset
             last = offset == len(chunk.token_ids) - 1
             if index >= len(self.token_ids) and index not in self._pending:
-                self._pending[index] = TokenEvent(index, token, chunk.tier, chunk.finish_reason if last else None)
+                self._pending[index] = TokenEvent(index, token, chunk.tier, chunk.finish_reason if last else None,
+                                                  None if logprobs is None else logprobs[offset])
         ready = []
         while self.phase is RunPhase.RUNNING and len(self.token_ids) in self._pending:
             if self.first_token_at is None:
