@@ -203,29 +203,35 @@ def apply_options(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
             logits[i].index_add_(0, ids.to(logits.device), biases.to(logits.device))
     penalized = [i for i in changed if rows[i].params.penalized]
     if penalized:
-        logits[penalized] = _penalized(logits[penalized], [rows[i] for i in penalized])
+        _penalize(logits, penalized, [rows[i] for i in penalized])
     return logits
 
 
-def _penalized(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """vLLM's penalties on logits [rows, vocab]: repetition over prompt and output tokens, then
-    frequency (per occurrence) and presence (once) over output tokens, as OpenAI defines them."""
+def _penalize(logits: torch.Tensor, row_ids: Sequence[int], rows: Sequence[SamplingRow]) -> None:
+    """vLLM's penalties, in place on logits [rows, vocab], touching only the tokens each row has seen:
+    repetition over prompt and output tokens (a positive logit divided, a negative one multiplied),
+    then frequency (per occurrence) and presence (once) over output tokens, as OpenAI defines them."""
     vocab = logits.shape[-1]
+    flat = logits.view(-1)
     device = logits.device
 
-    def counts(ids: Sequence[int]) -> torch.Tensor:
-        return torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab)[:vocab]
+    def keys(row_id: int, ids: Sequence[int]) -> torch.Tensor:  # each token's place in flat
+        ids = torch.tensor(ids, dtype=torch.long)
+        return ids[ids < vocab] + row_id * vocab  # an id past the logits (a padded vocabulary) has no logit
 
-    output_counts = torch.stack([counts(row.output_ids) for row in rows]).to(device)
-    in_output = output_counts > 0
-    per_row = [[row.params.repetition_penalty, row.params.frequency_penalty, row.params.presence_penalty]
-               for row in rows]
-    repetition, frequency, presence = torch.tensor(per_row, dtype=torch.float32, device=device).unsqueeze(2).unbind(1)
+    output_keys = torch.cat([keys(i, row.output_ids) for i, row in zip(row_ids, rows)]).to(device)
+    by_row = torch.zeros(len(logits), 3, dtype=torch.float32)  # repetition, frequency, presence per logits row
+    by_row[list(row_ids)] = torch.tensor([[row.params.repetition_penalty, row.params.frequency_penalty,
+                                           row.params.presence_penalty] for row in rows])
+    repetition, frequency, presence = by_row.to(device).unbind(1)
     if any(row.params.repetition_penalty != 1.0 for row in rows):
-        seen = in_output | torch.stack([counts(row.prompt_ids) > 0 for row in rows]).to(device)
-        penalty = torch.where(seen, repetition, 1.0)
-        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return logits - frequency * output_counts - presence * in_output
+        prompt_keys = torch.cat([keys(i, row.prompt_ids) for i, row in zip(row_ids, rows)]).to(device)
+        seen = torch.unique(torch.cat([prompt_keys, output_keys]))
+        values, penalty = flat[seen], repetition[seen // vocab]
+        flat[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    seen, counts = torch.unique(output_keys, return_counts=True)
+    owner = seen // vocab
+    flat[seen] = flat[seen] - frequency[owner] * counts - presence[owner]
 
 
 def _pick(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
@@ -248,13 +254,14 @@ def _logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow], tokens: Sequenc
     found: list[TokenLogprob | None] = [None] * len(rows)
     if not wanting:
         return found
-    raw = logits if len(wanting) == len(rows) else logits[wanting]
-    logprobs = torch.log_softmax(raw.float(), dim=-1).clamp_min(MIN_LOGPROB)
-    chosen_ids = torch.tensor([[tokens[i]] for i in wanting], device=logprobs.device)
-    chosen = logprobs.gather(1, chosen_ids).squeeze(1).tolist()
+    raw = (logits if len(wanting) == len(rows) else logits[wanting]).float()
+    # log_softmax read only where needed: a logit less the row's logsumexp
+    normalizer = torch.logsumexp(raw, dim=-1, keepdim=True)
+    chosen_ids = torch.tensor([[tokens[i]] for i in wanting], device=raw.device)
+    chosen = (raw.gather(1, chosen_ids) - normalizer).clamp_min(MIN_LOGPROB).squeeze(1).tolist()
     most = max(rows[i].params.logprobs for i in wanting)
-    top_values, top_ids = logprobs.topk(most, dim=-1) if most else (logprobs[:, :0], logprobs[:, :0].long())
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    top_values, top_ids = raw.topk(most, dim=-1) if most else (raw[:, :0], raw[:, :0].long())
+    top_values, top_ids = (top_values - normalizer).clamp_min(MIN_LOGPROB).tolist(), top_ids.tolist()
     for k, i in enumerate(wanting):
         n = rows[i].params.logprobs
         found[i] = TokenLogprob(chosen[k], tuple(zip(top_ids[k][:n], top_values[k][:n])))
