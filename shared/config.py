@@ -359,8 +359,6 @@ class GatewayConfig:
     relay_min_gain_fraction: float = flag(0.05, "auto picks P-RLD-MD only when RLD's first token is predicted "
                                                 "earlier than MD's by more than this fraction of the TTFT SLO (a "
                                                 "handoff costs a recompute and a stall)")
-    skip_wan_max_tokens: int = flag(0, "requests with at most this max_tokens that would go P-RLD-MD skip the WAN "
-                                       "(0: off)")
     wan_mbps_guess: float = flag(100.0, "link rate assumed until P has measured one")
     prefill_tokens_per_s_guess: float = flag(1000.0)
     decode_step_s_guess: float = flag(0.05, "one decode step on RLD or MD until the gaps between their tokens "

@@ -6,7 +6,8 @@ the sender (`KVSender`) keeps one handshaken connection per decoder address, and
 `OutgoingTransfer` streams one request's chunks to one decoder through a queue. While a transfer
 has nothing to send (its chunks still wait for P's engine) its sender writes a KEEPALIVE every
 `keepalive_s`, so the receiver's stall deadline measures the link and P's liveness, never P's
-queue. Progress is counted per connection on both sides: bytes arriving on a connection move
+queue; a held path (`KVTarget.held`) writes only KEEPALIVEs, its chunks queued, until P releases
+it. Progress is counted per connection on both sides: bytes arriving on a connection move
 every request it carries, and bytes leaving it move the frame P is writing, so frames queued
 behind other requests' frames on a busy link wait, they do not stall. Frames for a request the
 receiver does not expect (late, duplicate, aborted) are read and dropped as they stream in.
@@ -692,7 +693,11 @@ class OutgoingTransfer(_StateMachine):
         # 0: unbounded. P holds every chunk of the prompt anyway (for its prefix cache), so the
         # queue adds no memory; a bound would make the slowest path (the WAN) stall P's compute
         # and with it the fast path to RLD.
-        self._queue: asyncio.Queue = asyncio.Queue(maxsize=max(0, queue_chunks))
+        # a held path is unbounded too: its queue fills while it waits, and P must not wait with it
+        self._queue: asyncio.Queue = asyncio.Queue(maxsize=0 if target.held else max(0, queue_chunks))
+        self._released = asyncio.Event()  # a held path sends nothing before it is released
+        if not target.held:
+            self._released.set()
         self._started = time.monotonic()
         self._keepalive_frame = kv_wire.pack_control_frame(kv_wire.FrameKind.KEEPALIVE, request_id, sender.layout,
                                                            sender.wire_dtype)
@@ -702,6 +707,14 @@ class OutgoingTransfer(_StateMachine):
         """kv: [layers, 2, kv_heads, tokens, head_dim] for absolute tokens starting at token_start."""
         if not self.ended:
             await self._queue.put((token_start, kv, time.monotonic()))
+
+    @property
+    def held(self) -> bool:
+        return not self._released.is_set()
+
+    def release(self) -> None:
+        """Let a held path send what it queued, and the rest as it comes. Idempotent."""
+        self._released.set()
 
     async def finish(self) -> TransferResult:
         """Every chunk is queued: wait until the last one is written (or the transfer ended)."""
@@ -764,12 +777,22 @@ class OutgoingTransfer(_StateMachine):
                 await asyncio.sleep(max(0.0, queued_at + self.target.delay_s - time.monotonic()))
             if token_start is _END:
                 return first_byte_at
+            await self._wait_for_release(conns)
             if self.state is TransferState.WAITING:
                 self._move(TransferState.TRANSFERRING)
                 first_byte_at = time.monotonic()
             frames = await asyncio.to_thread(self._frames, token_start, item)  # conversion and crc32 off the loop
             self.kv_bytes += sum(len(header) + len(payload) for header, payload in frames)
             await asyncio.gather(*(self._write_frames(conn, frames[i::len(conns)]) for i, conn in enumerate(conns)))
+
+    async def _wait_for_release(self, conns: list[KVConnection]) -> None:
+        """While held, a KEEPALIVE every keepalive_s, as while waiting for P's next chunk."""
+        while not self._released.is_set():
+            try:
+                async with asyncio.timeout(self.sender.keepalive_s):
+                    await self._released.wait()
+            except TimeoutError:
+                await asyncio.gather(*(self._write(conn, self._keepalive_frame) for conn in conns))
 
     def _frames(self, token_start: int, kv: torch.Tensor) -> list[tuple[bytes, memoryview]]:
         """Cut a chunk into frames of at most MAX_FRAME_BYTES, so they spread over connections

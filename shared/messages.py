@@ -41,6 +41,7 @@ class KVTarget:
     port: int
     token_start: int = 0
     delay_s: float = 0.0  # test/demo knob: each chunk leaves this long after P made it (a slow link)
+    held: bool = False  # P queues this path's KV but sends none until a ReleaseKV (or the request's end)
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,14 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class ReleaseKV:
+    """Gateway to P: start sending the held KV paths of this request (RLD no longer finishes first)."""
+
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class ErrorReply:
     """The reply to a request/reply call that could not be served."""
 
@@ -214,7 +223,8 @@ MESSAGE_TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
         Heartbeat, DecodeAssign, DecodeAccepted, PrefillRequest, PrefillAccepted, PrefillDone,
-        KVReady, Handoff, TokenChunk, KVReceived, HandoffStats, CacheEvents, RequestFailed, MainLost, Abort, ErrorReply,
+        KVReady, Handoff, TokenChunk, KVReceived, HandoffStats, CacheEvents, RequestFailed, MainLost, Abort,
+        ReleaseKV, ErrorReply,
     )
 }
 

@@ -74,6 +74,10 @@ class GatewayMetrics(_RoleMetrics):
                                      ["pipeline"], buckets=TOKEN_GAP_BUCKETS_S, registry=r)
         self.output_tokens = Counter("pdd_output_tokens", "Tokens sent to clients, by the tier that made them",
                                      ["pipeline", "tier"], registry=r)
+        self.main_kv_releases = Counter("pdd_main_kv_releases", "Held MD KV streams released because RLD no longer "
+                                        "looked like finishing first", registry=r)
+        self.finished_on_relay = Counter("pdd_finished_on_relay", "Attempts with an MD that RLD finished alone "
+                                         "(MD made no token)", registry=r)
         self.pipeline_decisions = Counter("pdd_pipeline_decisions", "The policy's choice per request",
                                           ["pipeline", "reason"], registry=r)
         self.main_ready_error = Histogram(
@@ -114,6 +118,12 @@ class PrefillMetrics(_RoleMetrics):
                                           ["target"], buckets=TRANSFER_BUCKETS_S, registry=r)
         self.kv_transfers = Counter("pdd_kv_transfers", "KV paths by target role and outcome (done, failed, aborted)",
                                     ["target", "outcome"], registry=r)
+        self.kv_held_paths = Counter("pdd_kv_held_paths", "KV paths held back while RLD was predicted to finish "
+                                     "first, by outcome (released, never_sent)", ["outcome"], registry=r)
+        self.relay_finished_wan_bytes = Counter("pdd_relay_finished_wan_bytes", "KV bytes sent toward MD for "
+                                                "requests RLD finished alone (frame headers included)", registry=r)
+        self.relay_finished_kv_bytes = Counter("pdd_relay_finished_kv_bytes", "KV MD lacked of the requests RLD "
+                                               "finished alone: what a full transfer would have sent", registry=r)
 
 
 class DecoderMetrics(_RoleMetrics):

@@ -18,7 +18,7 @@ class Role(enum.StrEnum):
 class Pipeline(enum.StrEnum):
     P_MD = "p-md"
     P_RLD_MD = "p-rld-md"
-    P_RLD = "p-rld"  # never planned: RLD finishes alone (MD lost, none reachable, or the skip-WAN filter)
+    P_RLD = "p-rld"  # never planned: RLD finishes alone (MD lost, or none reachable)
 
     @classmethod
     def requestable(cls) -> tuple[Pipeline, ...]:
@@ -35,6 +35,13 @@ class Pipeline(enum.StrEnum):
 
 
 AUTO = "auto"  # a flag value: the policy chooses (pipeline) or RLD's load does (handoff mode)
+
+
+class AbortReason(enum.StrEnum):
+    """Reasons of an Abort that a tier acts on; any other reason is free text, for logs and metrics."""
+
+    FINISHED = "finished"  # the request ended with its last token (the gateway's RequestRun.close)
+    FINISHED_ON_RELAY = "finished on relay"  # RLD made every token: what P sent toward MD was for nothing
 
 
 class HandoffMode(enum.StrEnum):

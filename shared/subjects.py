@@ -26,6 +26,11 @@ def prefill(instance_id: str) -> str:
     return f"{PREFIX}.prefill.{instance_id}.run"
 
 
+def release_kv(prefill_instance_id: str) -> str:
+    """The gateway tells P to send the KV paths it holds back for a request (ReleaseKV)."""
+    return f"{PREFIX}.prefill.{prefill_instance_id}.release"
+
+
 def decode_assign(role: str, instance_id: str) -> str:
     """Request/reply: a DecodeAssign to one RLD or MD instance."""
     return f"{PREFIX}.{role}.{instance_id}.assign"

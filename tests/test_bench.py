@@ -165,6 +165,10 @@ def test_counters_add_up(bench):
             assert d["main_hit_rate"] == 0 and d["drc_saved_bytes"] == 0
         if MODES[r.mode].relay is False:
             assert d["relay_tokens"] == 0 and m["cost"]["instances"]["relay"] == 0
+            assert d["relay_finished_wan_bytes"] is None
+        else:  # P's own count of what crossed for requests RLD finished alone
+            assert 0 <= d["relay_finished_wan_bytes"] and 0 <= d["relay_finished_kv_bytes"]
+            assert d["relay_finished_kv_bytes"] > 0 or d["finished_by_relay"] == 0
 
 
 def test_drc_keeps_session_kv_off_the_wan(bench):

@@ -6,11 +6,10 @@ import random
 import torch
 
 from services.gateway.routing.cache_index import CacheIndex
-from services.gateway.routing.policy import Estimate, PolicyConfig, choose_pipeline
+from services.gateway.routing.policy import Estimate, PolicyConfig, RelayWatch, choose_pipeline
 from shared.radix_cache import RadixCache
 
-CONFIG = PolicyConfig(relay_min_gain_s=0.1, skip_wan_max_tokens=0, default_link_bytes_per_s=100e6 / 8,
-                      default_prefill_tokens_per_s=5000)
+CONFIG = PolicyConfig(relay_min_gain_s=0.1, default_link_bytes_per_s=100e6 / 8, default_prefill_tokens_per_s=5000)
 KV_BYTES_PER_TOKEN = 46_080  # SmolLM2, fp32
 STEP_S = 0.05
 
@@ -18,7 +17,7 @@ STEP_S = 0.05
 def estimate(link_mbps: float, prefill_tokens_per_s: float = 5000.0, main_queue_s: float = STEP_S,
              relay_queue_s: float = STEP_S, round_trip_s: float = 0.0) -> Estimate:
     return Estimate(link_mbps * 1e6 / 8, prefill_tokens_per_s, main_queue_s, relay_queue_s,
-                    round_trip_s=round_trip_s)
+                    round_trip_s=round_trip_s, relay_step_s=STEP_S)
 
 
 def decide(link_mbps: float, prompt_tokens: int = 2000, hit: int = 0, max_tokens: int = 256,
@@ -65,13 +64,30 @@ def test_without_a_relay_the_choice_is_p_md() -> None:
     assert choose_pipeline(CONFIG, 2000, 64, 0, KV_BYTES_PER_TOKEN, est).pipeline == "p-md"
 
 
-def test_short_outputs_may_skip_the_wan_only_when_enabled_and_late() -> None:
-    skipping = PolicyConfig(0.1, skip_wan_max_tokens=4, default_link_bytes_per_s=1e6,
-                            default_prefill_tokens_per_s=5000)
-    assert decide(100, max_tokens=2, config=skipping) == "p-rld"
-    assert decide(100, max_tokens=2, hit=1999, config=skipping) == "p-md", "in time: nothing to skip"
-    assert decide(100, max_tokens=64, config=skipping) == "p-rld-md"
-    assert decide(100, max_tokens=2) == "p-rld-md", "off by default: P-RLD is never planned"
+def test_a_short_answer_with_a_long_suffix_holds_mains_stream_back() -> None:
+    # 1,999 tokens MD lacks = 92 MB: 7.4 s at 100 Mbit/s; 8 tokens at 50 ms take RLD 0.35 s
+    est = estimate(100)
+    short = choose_pipeline(CONFIG, 2000, 8, 0, KV_BYTES_PER_TOKEN, est)
+    assert (short.pipeline, short.hold_main_kv) == ("p-rld-md", True)
+    assert short.predicted_relay_finish_s < short.predicted_main_ready_s
+    long = choose_pipeline(CONFIG, 2000, 256, 0, KV_BYTES_PER_TOKEN, est)
+    assert (long.pipeline, long.hold_main_kv) == ("p-rld-md", False), "RLD would still decode when MD's KV is in"
+    in_time = choose_pipeline(CONFIG, 2000, 8, 1990, KV_BYTES_PER_TOKEN, est)
+    assert (in_time.pipeline, in_time.hold_main_kv) == ("p-md", False), "nothing to hold: MD starts in time"
+
+
+def test_a_held_stream_is_released_once_relay_no_longer_finishes_first() -> None:
+    est = estimate(100)
+    # both caches hold 1,900 tokens: P computes 99 (20 ms), whose KV crosses in 0.36 s
+    decision = choose_pipeline(CONFIG, 2000, 64, 1900, KV_BYTES_PER_TOKEN, est, prefill_hit_tokens=1900)
+    assert (decision.pipeline, decision.hold_main_kv) == ("p-rld-md", False), "64 tokens outlast the crossing"
+    decision = choose_pipeline(CONFIG, 2000, 6, 1900, KV_BYTES_PER_TOKEN, est, prefill_hit_tokens=1900)
+    assert decision.hold_main_kv, "6 tokens at 50 ms: RLD is done in 0.32 s, MD's KV arrives at 0.42 s"
+    watch = RelayWatch.of(decision, CONFIG, est, 6)
+    assert not any(watch.should_release(n, 0.05 * n) for n in range(1, 7)), "RLD keeps its predicted pace"
+    slow = RelayWatch.of(decision, CONFIG, est, 6)
+    assert not slow.should_release(1, 0.0) and not slow.should_release(2, 0.4), "one gap proves nothing yet"
+    assert slow.should_release(3, 0.8), "0.4 s a token: the last 3 take 1.2 s; MD could take over within 0.47 s"
 
 
 def test_index_mirrors_the_main_cache_from_its_events() -> None:

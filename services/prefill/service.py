@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 
 import torch
 
@@ -23,10 +24,10 @@ from shared.kv_transfer import KVSender, OutgoingTransfer, TransferResult, Trans
 from shared.kv_wire import DTYPE_NAMES
 from shared.metrics import PrefillMetrics, serve as serve_metrics
 from shared.messages import (Abort, CacheEvents, Heartbeat, PrefillAccepted, PrefillDone, PrefillRequest,
-                             RequestFailed)
+                             ReleaseKV, RequestFailed)
 from shared.model_runner import ModelRunner
 from shared.models import kv_layout, load_model, resolve_model
-from shared.names import Role
+from shared.names import AbortReason, Role
 from shared.cache_worker import CacheWorker
 from shared.radix_cache import INDEX_BLOCK_TOKENS, CacheEvent, RadixCache
 from shared.service_runtime import heartbeat_loop, now
@@ -35,6 +36,7 @@ from services.prefill.prefiller import Prefiller, chunk_ranges
 
 log = logging.getLogger(__name__)
 ROLE = Role.PREFILL
+ENDED_PATHS_KEPT = 4096  # the gateway's Abort follows a job's end within a request's last tokens
 
 
 class PrefillService:
@@ -58,6 +60,10 @@ class PrefillService:
         self.aborted_transfers = 0
         self.kv_bytes_per_token = self.layout.num_layers * 2 * self.layout.kv_heads * self.layout.head_dim * wire.itemsize
         self.kv_bytes_saved_by_abort = 0  # KV that never crossed because the request ended first
+        self.relay_finished_wan_bytes = 0  # sent toward MD for requests RLD finished alone
+        self.relay_finished_kv_bytes = 0  # the KV MD lacked of those requests
+        # the MD path of jobs that ended, (bytes sent, KV owed), until the gateway's Abort says who finished
+        self._ended_main_paths: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._tasks: set[asyncio.Task] = set()
         self.metrics = PrefillMetrics()
         self.metrics.track_load(lambda: len(self.jobs), lambda: self.engine.queued)
@@ -69,6 +75,7 @@ class PrefillService:
         self.nc = await bus.connect(self.config.common.nats_url, self.instance_id, self.config.common.nats_auth)
         await self.nc.subscribe(subjects.prefill(self.instance_id), cb=self._on_prefill)
         await self.nc.subscribe(subjects.abort(), cb=self._on_abort)
+        await self.nc.subscribe(subjects.release_kv(self.instance_id), cb=self._on_release)
         self._tasks.add(asyncio.create_task(
             heartbeat_loop(self.nc, ROLE, self.config.common.heartbeat_s, self._describe)))
 
@@ -89,6 +96,8 @@ class PrefillService:
                  "kv_connections": self.sender.open_connections,
                  "aborted_transfers": self.aborted_transfers, "kv_bytes_saved_by_abort": self.kv_bytes_saved_by_abort,
                  "kv_bytes_per_token": self.kv_bytes_per_token,
+                 "relay_finished_wan_bytes": self.relay_finished_wan_bytes,
+                 "relay_finished_kv_bytes": self.relay_finished_kv_bytes,
                  **(self.cache.gauges() if self.cache is not None else {})}
         return Heartbeat(ROLE, self.instance_id, "", 0, self.layout.model_id, len(self.jobs), 0, now(),
                          dict(self.sender.throughput.bytes_per_s), stats)
@@ -114,6 +123,8 @@ class PrefillService:
             abort = messages.decode_as(msg.data, Abort)
         except PddError:
             return
+        if abort.reason == AbortReason.FINISHED_ON_RELAY:
+            self._count_relay_finished(abort.request_id)
         job = self.jobs.get(abort.request_id)
         if job is None or job.ended or job.task is None:
             return
@@ -125,6 +136,47 @@ class PrefillService:
             self.kv_bytes_saved_by_abort += job.unsent_kv_bytes(transfer, self.kv_bytes_per_token)
             transfer.abort(abort.reason)
         job.task.cancel()
+
+    async def _on_release(self, msg: Msg) -> None:
+        try:
+            release = messages.decode_as(msg.data, ReleaseKV)
+        except PddError:
+            return
+        job = self.jobs.get(release.request_id)
+        if job is None:
+            return
+        for transfer in job.open_transfers():
+            if transfer.held:
+                log.info("%s: %s path released: %s", release.request_id, transfer.target.role, release.reason)
+                self.metrics.kv_held_paths.labels("released").inc()
+                transfer.release()
+
+    def _main_path(self, job: PrefillJob) -> tuple[int, int] | None:
+        """What the job's MD path sent so far and the KV it owed MD; None without one."""
+        for transfer in job.transfers:
+            if transfer.target.role == Role.MAIN:
+                owed = (job.prompt_kv_tokens - transfer.target.token_start) * self.kv_bytes_per_token
+                return transfer.kv_bytes, max(0, owed)
+        return None
+
+    def _count_relay_finished(self, request_id: str) -> None:
+        """RLD made every token of the request: count the WAN bytes its MD path paid for nothing."""
+        job = self.jobs.get(request_id)
+        path = self._main_path(job) if job is not None else self._ended_main_paths.pop(request_id, None)
+        if path is not None:
+            sent, owed = path
+            self.relay_finished_wan_bytes += sent
+            self.relay_finished_kv_bytes += owed
+            self.metrics.relay_finished_wan_bytes.inc(sent)
+            self.metrics.relay_finished_kv_bytes.inc(owed)
+
+    def _remember_main_path(self, job: PrefillJob) -> None:
+        path = self._main_path(job)
+        if path is None:
+            return
+        self._ended_main_paths[job.request_id] = path
+        while len(self._ended_main_paths) > ENDED_PATHS_KEPT:
+            self._ended_main_paths.popitem(last=False)
 
     async def _run(self, job: PrefillJob) -> None:
         req = job.request
@@ -203,6 +255,9 @@ class PrefillService:
                 self.cache.post(job.prefix.release)  # after any gather of it still on the worker
             for transfer in job.transfers:  # those that ended early: aborted, or the prefill failed
                 self._end_transfer_span(job, transfer, transfer.state, transfer.error)
+                if transfer.held:
+                    self.metrics.kv_held_paths.labels("never_sent").inc()
+            self._remember_main_path(job)
             self.jobs.pop(req.request_id, None)
             await asyncio.gather(*(transfer.wait_closed() for transfer in job.transfers))  # pumps end with the job
 

@@ -3,7 +3,8 @@
 vllm's: TTFT, TPOT ((E2E - TTFT) / (output tokens - 1)), ITL (every gap between two tokens),
 E2E latency (mean, median, P90, P99, in ms), request and token throughput, goodput (requests per
 second that meet every SLO set). PDD's: KV bytes over the WAN, bytes MD's DRC saved, RLD's share of
-tokens, the handoff stall, P and MD hit rates (token-weighted), and BCR (goodput per unit of cost).
+tokens, the requests RLD finished alone and the WAN bytes P sent toward MD for them, the handoff
+stall, P and MD hit rates (token-weighted), and BCR (goodput per unit of cost).
 """
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def meets_slo(rec: RequestRecord, slo: Slo) -> bool:
 
 def summarize(records: Sequence[RequestRecord], duration_s: float, *, slo: Slo, costs: Costs,
               instances: dict[str, int], kv_bytes_per_token: int,
-              wan_emulator_bytes: int | None = None) -> Json:
+              wan_emulator_bytes: int | None = None, relay_finished_bytes: tuple[int, int] | None = None) -> Json:
+    """relay_finished_bytes: P's (bytes sent toward MD, KV MD lacked) for requests RLD finished alone."""
     ok = [r for r in records if r.ok]
     sent = [r for r in records if r.sent_s is not None]
     prompt_tokens = sum(r.prompt_tokens for r in ok)
@@ -88,6 +90,8 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, *, slo: Slo, 
             "kv_bytes_per_token": kv_bytes_per_token,
             "pipelines": dict(Counter(r.pipeline for r in ok)),
             "finished_by_relay": sum(1 for r in ok if r.tokens_by_tier.get("relay") == r.completion_tokens > 0),
+            "relay_finished_wan_bytes": None if relay_finished_bytes is None else relay_finished_bytes[0],
+            "relay_finished_kv_bytes": None if relay_finished_bytes is None else relay_finished_bytes[1],
             "relay_tokens": relay_tokens,
             "relay_token_share": relay_tokens / completion_tokens if completion_tokens else 0.0,
             "handoffs": len(stalls),

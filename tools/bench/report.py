@@ -81,9 +81,9 @@ def _pipelines(counts: dict[str, int]) -> str:
 
 def pdd_table(results: list[Json]) -> str:
     lines = [("| workload | mode | pipelines | planned hit | P hit | MD hit | KV MD got MB | KV MD got KB/req "
-              "| emulator A→B MB | DRC saved MB | RLD tokens | RLD-only reqs | handoffs | stall mean ms "
-              "| stall max ms | cost | BCR |"),
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| emulator A→B MB | DRC saved MB | RLD tokens | RLD-only reqs | RLD-only WAN / KV | handoffs "
+              "| stall mean ms | stall max ms | cost | BCR |"),
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         m = r["metrics"]
         d = m["pdd"]
@@ -94,9 +94,17 @@ def pdd_table(results: list[Json]) -> str:
             f"| {r['workload']['name']} | {r['mode']} | {_pipelines(d['pipelines'])} | {_pct(d['planned_hit_rate'])} "
             f"| {_pct(d['prefill_hit_rate'])} | {_pct(d['main_hit_rate'])} | {_mb(d['wan_kv_bytes'])} | {per_req} "
             f"| {_mb(d['wan_emulator_a_to_b_bytes'])} | {_mb(d['drc_saved_bytes'])} | {_pct(d['relay_token_share'])} "
-            f"| {d['finished_by_relay']} | {d['handoffs']} | {_ms(d['handoff_stall_ms'], 'mean')} "
+            f"| {d['finished_by_relay']} | {_relay_only_wan(d)} | {d['handoffs']} | {_ms(d['handoff_stall_ms'], 'mean')} "
             f"| {_ms(d['handoff_stall_ms'], 'max')} | {m['cost']['total']:g} | {bcr} |")
     return "\n".join(lines)
+
+
+def _relay_only_wan(d: Json) -> str:
+    """WAN bytes P sent toward MD for requests RLD finished alone, against the KV MD lacked of them."""
+    sent, owed = d.get("relay_finished_wan_bytes"), d.get("relay_finished_kv_bytes")
+    if sent is None or owed is None:
+        return "-"
+    return f"{_mb(sent)} MB / {_mb(owed)} MB ({_pct(sent / owed) if owed else '-'})"
 
 
 def _change(new: object, old: object) -> str:
@@ -136,7 +144,8 @@ def summary_markdown(results: list[Json], skipped: dict[str, str]) -> str:
                    f"{results[0]['metrics']['slo']}; BCR = goodput / cost of the instances the mode uses."),
                   ("KV MD got: the KV bytes MD reported receiving (summed over requests); emulator A→B: what "
                    "crossed the emulated WAN on MD's KV route, including transfers MD dropped because RLD "
-                   "finished the request first (RLD-only requests) and frame headers."), ""]
+                   "finished the request first (RLD-only requests) and frame headers. RLD-only WAN / KV: what P "
+                   "sent toward MD for the requests RLD finished alone, against the KV MD lacked of them."), ""]
     parts += ["## Latency and throughput", "", latency_table(results), "",
               "## PDD", "", pdd_table(results), ""]
     if against := baseline_table(results):

@@ -21,7 +21,10 @@ from tools.bench.replay import Replayer, RequestRecord, warmup_requests
 from tools.bench.workloads import Workload, agentic_workload, mooncake_workload, synthetic_workload
 from tools.launcher import LocalStack
 from tools.stack_config import MD_KV_ROUTE, StackConfig
+from shared import bus, messages, subjects
+from shared.messages import Heartbeat
 from shared.models import DTYPES, kv_layout
+from shared.names import Role
 
 log = logging.getLogger(__name__)
 Json = dict[str, object]
@@ -83,6 +86,31 @@ async def _wan_kv_bytes(stack: LocalStack, settle_s: float = 0.5, limit_s: float
         await asyncio.sleep(settle_s)
 
 
+async def _relay_finished_bytes(stack: LocalStack, timeout_s: float = 10.0) -> tuple[int, int] | None:
+    """P's counts, from a heartbeat sent after this call began: KV bytes sent toward MD for requests
+    RLD finished alone, and the KV MD lacked of them; None if P's heartbeat lacks them."""
+    after = time.time() + 0.05
+    nc = await bus.connect(stack.nats_url, "bench-prefill-stats", stack.nats_auth)
+    beat: asyncio.Future[Heartbeat] = asyncio.get_running_loop().create_future()
+
+    async def on_beat(msg) -> None:
+        heartbeat = messages.decode(msg.data)
+        if heartbeat.sent_at > after and not beat.done():
+            beat.set_result(heartbeat)
+
+    try:
+        await nc.subscribe(subjects.heartbeat(Role.PREFILL), cb=on_beat)
+        async with asyncio.timeout(timeout_s):
+            stats = (await beat).stats
+    except TimeoutError:
+        return None
+    finally:
+        await nc.close()
+    if "relay_finished_wan_bytes" not in stats:
+        return None
+    return int(stats["relay_finished_wan_bytes"]), int(stats["relay_finished_kv_bytes"])
+
+
 def stack_facts(mode: Mode, cfg: BenchConfig, stack_cfg: StackConfig) -> Json:
     return {"model": cfg.stack.model, "dtype": cfg.stack.dtype, "two_dc": mode.two_dc,
             "pipeline": pipeline_of(mode), "handoff_mode": mode.handoff_mode, "request_fields": request_fields(mode),
@@ -125,13 +153,18 @@ async def _run_workload(stack: LocalStack, session: aiohttp.ClientSession, mode:
             log.warning("%s %s: %d warm-up requests failed, first: %s", mode.name, workload.name,
                         len(failed), failed[0])
         before = await _wan_kv_bytes(stack)
+        relay_before = await _relay_finished_bytes(stack) if mode.relay else None
         records, duration_s = await replayer.run(workload.requests)
         after = await _wan_kv_bytes(stack)
+        relay_after = await _relay_finished_bytes(stack) if relay_before is not None else None
     finally:
         bar.close()
     wan_bytes = after - before if before is not None and after is not None else None
+    relay_finished = (None if relay_before is None or relay_after is None
+                      else (relay_after[0] - relay_before[0], relay_after[1] - relay_before[1]))
     summary = metrics.summarize(records, duration_s, slo=cfg.slo, costs=cfg.costs, instances=mode.instances,
-                                kv_bytes_per_token=bytes_per_token, wan_emulator_bytes=wan_bytes)
+                                kv_bytes_per_token=bytes_per_token, wan_emulator_bytes=wan_bytes,
+                                relay_finished_bytes=relay_finished)
     return RunResult(mode.name, workload, records, duration_s, summary)
 
 

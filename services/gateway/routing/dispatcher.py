@@ -22,6 +22,7 @@ from services.gateway.routing.policy import (
     Estimate,
     PipelineDecision,
     PolicyConfig,
+    RelayWatch,
     choose_pipeline,
 )
 from services.gateway.routing.registry import Instance, InstanceRegistry
@@ -39,11 +40,13 @@ from shared.messages import (
     KVTarget,
     PrefillAccepted,
     PrefillDone,
+    HandoffStats,
     PrefillRequest,
+    ReleaseKV,
     TokenChunk,
 )
 from shared.metrics import GatewayMetrics
-from shared.names import AUTO, Pipeline, Role
+from shared.names import AUTO, AbortReason, Pipeline, Role
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +64,13 @@ class Dispatcher:
         self.config = config
         self.cache_index = cache_index
         self.telemetry = Telemetry()
-        self.policy = PolicyConfig(config.ttft_slo_s * config.relay_min_gain_fraction, config.skip_wan_max_tokens,
-                                   config.wan_mbps_guess * 1e6 / 8, config.prefill_tokens_per_s_guess)
+        self.policy = PolicyConfig(config.ttft_slo_s * config.relay_min_gain_fraction, config.wan_mbps_guess * 1e6 / 8,
+                                   config.prefill_tokens_per_s_guess)
         self.tracer = tracing.tracer("pdd.gateway")
         # the attempts in flight, by request id, and where their events go (see listen, abort_orphans)
         self.active: dict[str, tuple[Attempt, Callable[[Msg], Awaitable[None]]]] = {}
+        self._watches: dict[str, tuple[RelayWatch, str]] = {}  # request id -> its watch, P's instance id
+        self._main_started: set[str] = set()  # attempts MD has taken over or started (it made a token)
 
     async def listen(self) -> None:
         """Hear every request's events through one subscription, made before any request is dispatched.
@@ -87,8 +92,29 @@ class Dispatcher:
         except PddError:
             event = None  # the run logs it
         if isinstance(event, TokenChunk):  # each tier's decode step, for the policy's predictions
-            self.telemetry.observe_tokens(request_id, event.tier, len(event.token_ids), time.monotonic())
+            now = time.monotonic()
+            self.telemetry.observe_tokens(request_id, event.tier, len(event.token_ids), now)
+            if event.tier == Role.MAIN:
+                self._main_started.add(request_id)
+            elif request_id in self._watches:
+                await self._watch_relay(request_id, event.start + len(event.token_ids), now)
+        elif isinstance(event, HandoffStats):
+            self._main_started.add(request_id)
         await entry[1](msg)
+
+    async def _watch_relay(self, request_id: str, relay_tokens: int, now: float) -> None:
+        """P holds MD's KV back: release it once RLD no longer looks like finishing first."""
+        watch, prefill_instance = self._watches[request_id]
+        if not watch.should_release(relay_tokens, now):
+            return
+        del self._watches[request_id]
+        self.metrics.main_kv_releases.inc()
+        log.info("%s: RLD will not finish first (%d of %d tokens): P sends MD's KV", request_id, relay_tokens,
+                 watch.max_tokens)
+        try:
+            await bus.publish(self.nc, subjects.release_kv(prefill_instance), ReleaseKV(request_id, "relay too slow"))
+        except PddError as exc:  # MD keeps waiting; RLD finishes the request
+            log.warning("%s: release not sent: %s", request_id, exc)
 
     async def start(self, req: GenerationRequest) -> RequestRun:
         """Dispatch a new request; its RequestRun comes back here for each migration."""
@@ -160,14 +186,19 @@ class Dispatcher:
             relay_queue_s=self._queue_s(relay, Role.RELAY) if relay is not None else NO_RELAY_S,
             prefill_fixed_s=prefill_model.fixed_s if prefill_model else 0.0,
             round_trip_s=round_trips.get(md.instance_id, 0.0),
-            relay_round_trip_s=round_trips.get(relay.heartbeat.instance_id, 0.0) if relay is not None else 0.0)
+            relay_round_trip_s=round_trips.get(relay.heartbeat.instance_id, 0.0) if relay is not None else 0.0,
+            relay_step_s=self.telemetry.step_s(Role.RELAY) or self.config.decode_step_s_guess)
         kv_bytes_per_token = int(prefill.heartbeat.stats.get("kv_bytes_per_token", 0))
         decision = choose_pipeline(self.policy, len(req.prompt_ids), req.sampling.max_tokens, main_hit,
                                    kv_bytes_per_token, estimate, prefill_hit)
         default = None if self.config.default_pipeline == AUTO else Pipeline(self.config.default_pipeline)
         forced = req.pipeline or default
         if forced is not None and forced != decision.pipeline:
-            decision = dataclasses.replace(decision, pipeline=forced, reason="named by the request or gateway flag")
+            decision = dataclasses.replace(decision, pipeline=forced, reason="named by the request or gateway flag",
+                                           hold_main_kv=False)
+        if decision.hold_main_kv:
+            self._watches[req.request_id] = (RelayWatch.of(decision, self.policy, estimate, req.sampling.max_tokens),
+                                             prefill.heartbeat.instance_id)
         return decision
 
     def _plan(self, req: GenerationRequest, avoid: set[str]) -> tuple[PipelineDecision, dict[Role, Instance]]:
@@ -226,7 +257,8 @@ class Dispatcher:
                 decoders = [(role, chosen[role]) for role in (Role.MAIN, Role.RELAY) if role in chosen]
                 accepted = await asyncio.gather(*(self._call(role, inst, assign, headers) for role, inst in decoders))
                 targets = [KVTarget(role, acc.kv_host, acc.kv_port, acc.cached_tokens,
-                                    req.md_kv_delay_s if role is Role.MAIN else 0.0)
+                                    req.md_kv_delay_s if role is Role.MAIN else 0.0,
+                                    held=role is Role.MAIN and decision.hold_main_kv)
                            for (role, _), acc in zip(decoders, accepted)]
                 prefill_accepted = await self._call(Role.PREFILL, chosen[Role.PREFILL], PrefillRequest(
                     req.request_id, req.prompt_ids, targets, self.config.request_timeout_s), headers)
@@ -245,6 +277,12 @@ class Dispatcher:
             return
         del self.active[attempt.request_id]
         self.telemetry.forget(attempt.request_id)
+        self._watches.pop(attempt.request_id, None)
+        main_started = attempt.request_id in self._main_started
+        self._main_started.discard(attempt.request_id)
+        if reason == AbortReason.FINISHED and Role.MAIN in attempt.instances and not main_started:
+            reason = AbortReason.FINISHED_ON_RELAY  # P counts what its MD path sent for nothing
+            self.metrics.finished_on_relay.inc()
         for instance_id in attempt.instances.values():
             self.registry.done(instance_id)
         try:

@@ -6,14 +6,15 @@ at once; MD also waits for the KV *its* cache lacks to cross the WAN (streaming 
 chunk while P computes, so the two overlap) and for the round trip to it. Each decoder adds its
 queue and one decode step. The gain of RLD is the difference; a handoff costs a recompute and a
 stall, so RLD is worth it only past `relay_min_gain_s`. In one datacenter the gain is MD's queue
-against RLD's: P-MD unless MD is queued. The anomalous-traffic filter (`skip_wan_max_tokens`, off
-by default) plans P-RLD for a short request that would go P-RLD-MD, skipping the WAN (counted: it
-leaves MD's cache behind). Outside the policy, the gateway plans P-RLD when no MD is reachable
-(services/gateway/routing/dispatcher.py).
+against RLD's: P-MD unless MD is queued.
+
+Anomalous traffic: when RLD is predicted to finish the whole answer before MD's KV could arrive
+(a short `max_tokens`, a long missing suffix), P holds MD's KV stream back (`hold_main_kv`);
+`RelayWatch` releases it once RLD's own pace says it no longer finishes first. Outside the policy,
+the gateway plans P-RLD when no MD is reachable (services/gateway/routing/dispatcher.py).
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from shared.names import Pipeline
@@ -24,7 +25,6 @@ NO_RELAY_S = float("inf")
 @dataclass(frozen=True)
 class PolicyConfig:
     relay_min_gain_s: float  # how much earlier RLD's first token must be predicted for P-RLD-MD
-    skip_wan_max_tokens: int  # 0: never skip
     default_link_bytes_per_s: float
     default_prefill_tokens_per_s: float
 
@@ -40,6 +40,7 @@ class Estimate:
     prefill_fixed_s: float = 0.0  # P's cost per prefill whatever its length (fitted)
     round_trip_s: float = 0.0  # gateway <-> MD: the assign's answer, then the KV's last byte, each half of it
     relay_round_trip_s: float = 0.0  # gateway <-> RLD, the same
+    relay_step_s: float = 0.05  # one decode step on RLD
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ class PipelineDecision:
     budget_s: float  # MD had to be predicted ready by this for P-MD: RLD's predicted start plus the gain it must buy
     predicted_relay_ready_s: float = NO_RELAY_S
     prefill_hit_tokens: int = 0
+    predicted_relay_finish_s: float = NO_RELAY_S  # RLD's last token, were it to make them all
+    hold_main_kv: bool = False  # P holds MD's KV back: RLD is predicted to finish before it could arrive
 
 
 def choose_pipeline(config: PolicyConfig, prompt_tokens: int, max_tokens: int, main_hit_tokens: int,
@@ -66,14 +69,44 @@ def choose_pipeline(config: PolicyConfig, prompt_tokens: int, max_tokens: int, m
     main_ready = estimate.main_queue_s + estimate.round_trip_s + max(compute_s, wan_bytes / link)
     relay_ready = estimate.relay_queue_s + estimate.relay_round_trip_s + compute_s
     budget = relay_ready + config.relay_min_gain_s
+    relay_finish = relay_ready + max(0, max_tokens - 1) * estimate.relay_step_s
 
-    def decided(pipeline: Pipeline, reason: str) -> PipelineDecision:
+    def decided(pipeline: Pipeline, reason: str, hold: bool = False) -> PipelineDecision:
         return PipelineDecision(pipeline, reason, main_hit_tokens, wan_bytes, main_ready, budget, relay_ready,
-                                prefill_hit_tokens)
+                                prefill_hit_tokens, relay_finish, hold)
 
     if main_ready <= budget:
         return decided(Pipeline.P_MD, "MD starts about as soon as RLD could")
-    if config.skip_wan_max_tokens and max_tokens <= config.skip_wan_max_tokens:
-        return dataclasses.replace(decided(Pipeline.P_RLD, "short output: RLD finishes before MD could start"),
-                                   wan_bytes=0)
+    if relay_finish <= main_ready:
+        return decided(Pipeline.P_RLD_MD, "short output: RLD finishes before MD's KV could arrive", hold=True)
     return decided(Pipeline.P_RLD_MD, "RLD starts meaningfully earlier than MD")
+
+
+@dataclass
+class RelayWatch:
+    """A request whose MD KV P holds back: release it once RLD, at its own pace, is predicted to
+    finish later than MD could take over (the KV's crossing and a round trip) plus the gain a
+    handoff must buy. An answer that stops early (EOS, a stop string) only strengthens the hold."""
+
+    max_tokens: int
+    main_kv_s: float  # from a release to MD holding its KV: the bytes over the link and the round trip
+    relay_min_gain_s: float
+    relay_step_s: float  # predicted, until RLD's own gaps are known
+    first_token_at: float | None = None
+
+    @classmethod
+    def of(cls, decision: PipelineDecision, config: PolicyConfig, estimate: Estimate,
+           max_tokens: int) -> RelayWatch:
+        link = estimate.link_bytes_per_s or config.default_link_bytes_per_s
+        return cls(max_tokens, decision.wan_bytes / link + estimate.round_trip_s, config.relay_min_gain_s,
+                   estimate.relay_step_s)
+
+    def should_release(self, relay_tokens: int, now_s: float) -> bool:
+        """RLD has made `relay_tokens` tokens, the last at `now_s` (monotonic)."""
+        if self.first_token_at is None:
+            self.first_token_at = now_s
+        step = self.relay_step_s
+        if relay_tokens >= 3:  # two gaps of its own: RLD's pace for this request
+            step = (now_s - self.first_token_at) / (relay_tokens - 1)
+        relay_left_s = max(0, self.max_tokens - relay_tokens) * step
+        return relay_left_s > self.main_kv_s + self.relay_min_gain_s
