@@ -225,8 +225,12 @@ def _unpack(bitmask: torch.Tensor, width: int, device: torch.device) -> torch.Te
     if device.type == "cpu":  # numpy unpacks bits in a few microseconds; int32 words are little-endian
         bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :width]
         return torch.from_numpy(np.ascontiguousarray(bits)).view(torch.bool)
-    words = bitmask.to(device)
-    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    return _unpack_with_shifts(bitmask.to(device), width)
+
+
+def _unpack_with_shifts(words: torch.Tensor, width: int) -> torch.Tensor:
+    """_unpack on the logits' own device (a GPU): 4 bytes a word cross the bus, not 32."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
     return ((words.unsqueeze(-1) >> shifts) & 1).view(words.shape[0], -1)[:, :width].bool()
 
 
@@ -250,18 +254,23 @@ class GrammarState:
 
     def replay(self, token_ids: Sequence[int]) -> None:
         """Feed output tokens another tier made (in order; successive chunks may follow)."""
-        for token_id in token_ids:
-            self.accept(token_id)
+        token_ids = [int(t) for t in token_ids]
+        taken = self._matcher.try_consume_tokens(token_ids)
+        self.tokens_accepted += taken
+        if taken < len(token_ids):
+            self.accept(token_ids[taken])  # raises, with the matcher's reason
 
     def accept(self, token_id: int) -> None:
-        """Advance past the sampled token (an EOS ending a finished grammar is accepted too)."""
+        """Advance past the sampled token (an EOS ending a finished grammar is accepted too). After
+        GrammarDiverged the state is spent: the sequence must end."""
         if not self._matcher.consume_token(int(token_id)):
             raise GrammarDiverged(f"output token {self.tokens_accepted} (id {token_id}) breaks the grammar: "
                                   f"{_first_line(self._matcher.get_error())}")
         self.tokens_accepted += 1
 
     def mask(self, logits_row: torch.Tensor) -> None:
-        """apply_masks for one row [logits_width]."""
+        """apply_masks for one row [logits_width]; fits shared.sampling's LogitsProcessor
+        (SamplingRow.processors=(state.mask,)), though apply_masks over the batch is cheaper."""
         self._grammars.apply_masks(logits_row.unsqueeze(0), [self])
 
     @property

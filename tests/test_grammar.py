@@ -242,3 +242,13 @@ def test_bad_tool_schemas_name_the_field() -> None:
     with pytest.raises(InvalidConstraint) as raised:
         constraint_for_tool_calls({})
     assert raised.value.param == "tools"
+
+
+def test_the_gpu_unpacking_agrees_with_the_cpu_one() -> None:
+    from shared.grammar import _unpack, _unpack_with_shifts
+
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 40), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    on_host = _unpack(bitmask, 1270, torch.device("cpu"))
+    assert on_host.shape == (3, 1270)
+    assert torch.equal(on_host, _unpack_with_shifts(bitmask, 1270))
+    assert on_host[1, 37].item() == bool((bitmask[1, 1].item() >> 5) & 1)
