@@ -183,6 +183,8 @@ def test_drc_keeps_session_kv_off_the_wan(bench):
 
 def test_report_files_are_written(bench):
     cfg, results = bench
+    summary = (cfg.out_dir / report.SUMMARY_FILE).read_text()
+    assert "## Against the PDD paper" in summary and "| share of tokens made by RLD | 6.2 % |" in summary
     for r in results:
         data = json.loads((cfg.out_dir / r.name / report.RESULTS_FILE).read_text())
         assert data["mode"] == r.mode and len(data["requests"]) == len(r.records)
@@ -214,6 +216,11 @@ def test_mooncake_equal_block_ids_make_equal_prefixes():
     assert first[:16] == second[:16] and first[16:32] != second[16:32]
     assert w.requests[1].planned_hit_tokens == 16
     assert len(first) == -(-6758 * 16 // 512)
+
+
+def test_mooncake_outputs_keep_the_traces_lengths_capped():
+    w = mooncake_workload(MooncakeOptions(block_tokens=16, max_output_tokens=400), 5, seed=0)
+    assert [r.max_tokens for r in w.requests] == [400, 400, 400, 316, 3], "trace: 500, 490, 794, 316, 3"
 
 
 def test_synthetic_requests_have_fixed_lengths():
@@ -249,6 +256,18 @@ def test_cli_flags_build_the_config(tmp_path):
     assert cfg.costs.of({"prefill": 1, "relay": 1, "main": 1}) == 2.5
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "--modes", "nonsense"])
+
+
+def test_the_paper_scenario_presets_what_was_left_at_its_default(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    cfg = config_from_args(parser.parse_args(["bench", "--scenario", "paper", "--max-requests", "8",
+                                              "--out", str(tmp_path)]))
+    assert cfg.modes == ("pdd", "pd-local", "pd-wan", "pd-wan-drc") and cfg.workloads == ("agentic", "mooncake")
+    assert (cfg.agentic.prefix_tokens, cfg.agentic.output_tokens, cfg.agentic.max_context_tokens) == (1024, 128, 3200)
+    assert (cfg.wan.bandwidth_mbps, cfg.wan.rtt_ms, cfg.slo.ttft_ms, cfg.slo.tpot_ms) == (100, 30, 2000, 150)
+    assert cfg.mooncake.max_output_tokens == 128 and cfg.load.request_rate == 0.2
+    assert cfg.load.max_requests == 8, "a flag given wins over the preset"
 
 
 def test_plots_need_only_results_json(bench, tmp_path):

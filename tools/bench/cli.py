@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from tools.bench import report
+from tools.bench import paper, report
 from tools.bench.config import (WORKLOADS, AgenticOptions, BenchConfig, Costs, LoadOptions, MooncakeOptions,
                                  Slo, StackOptions, SyntheticOptions, Target, WanLink)
 from tools.bench.modes import MODES, NOT_AVAILABLE
@@ -67,6 +67,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help=f"comma list of {', '.join(WORKLOADS)}")
     p.add_argument("--out", type=Path, default=None, help="results directory (default: bench-results/<timestamp>)")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--scenario", choices=("paper",), default=None,
+                   help="paper: the PDD paper's regime (SmolLM2, 100 Mbit/s, 30 ms RTT; agent sessions of 1,024-token "
+                        "prompts, 128-token answers, 8 turns at a 90 %% hit; the Mooncake trace with its own answer "
+                        "lengths capped at 128) in pdd, pd-local, pd-wan and pd-wan-drc, and summary.md's table against "
+                        "the paper; a flag given still wins over the preset")
 
     g = p.add_argument_group("stack")
     g.add_argument("--model", default=s.model, help="'smollm2', 'tiny', or a checkpoint path")
@@ -120,11 +125,21 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     g.add_argument("--cost-prefill", type=float, default=1.0)
     g.add_argument("--cost-relay", type=float, default=1.0)
     g.add_argument("--cost-main", type=float, default=1.0)
-    p.set_defaults(func=cmd_bench)
+    p.set_defaults(func=cmd_bench, preset_defaults={a.dest: a.default for a in p._actions if a.dest in paper.PRESET})
     return p
 
 
+def _apply_scenario(args: argparse.Namespace) -> None:
+    """A scenario's values replace the flags left at their defaults."""
+    if args.scenario != "paper":
+        return
+    for dest, value in paper.PRESET.items():
+        if getattr(args, dest) == args.preset_defaults[dest]:
+            setattr(args, dest, value)
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    _apply_scenario(args)
     out = args.out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
     targets = tuple(Target(t.name, t.url, args.target_model) for t in args.targets)
     modes = args.modes if args.modes is not None else (() if targets else ALL_MODES)

@@ -67,10 +67,11 @@ class AgenticOptions:
 
 @dataclass(frozen=True)
 class MooncakeOptions:
-    """The Mooncake conversation trace, scaled down: block size, lengths and time."""
+    """The Mooncake conversation trace, scaled down: block size, prompt lengths and time; outputs keep
+    the trace's lengths, capped."""
 
     path: Path = DEFAULT_TRACE
-    block_tokens: int = 16  # the trace's blocks are 512 tokens; lengths scale by block_tokens/512
+    block_tokens: int = 16  # the trace's blocks are 512 tokens; prompt lengths scale by block_tokens/512
     max_input_tokens: int = 1024
     max_output_tokens: int = 32
     time_scale: float = 4.0  # arrival times are multiplied by this (>1 slows the trace down)

@@ -8,6 +8,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from tools.bench import paper
 from tools.bench.modes import MODES
 from tools.bench.runner import RunResult
 
@@ -152,6 +153,11 @@ def summary_markdown(results: list[Json], skipped: dict[str, str]) -> str:
         parts += [f"## Change against {BASELINE_MODE} (cross-datacenter PD, whole KV over the WAN)", "",
                   "KV sent to MD counts the emulator's A→B bytes where there is a WAN; '-' where the baseline is 0.",
                   "", against, ""]
+    if paper.applies(results):
+        parts += ["## Against the PDD paper", "",
+                  ("A goal is judged on the session workload, from this one run; figures are this machine's "
+                   "(RLD, MD and P share its cores), so ratios within the run are what compares."), "",
+                  paper.paper_table(results), ""]
     if skipped:
         parts += ["## Not run", ""] + [f"- `{mode}`: {reason}" for mode, reason in skipped.items()] + [""]
     return "\n".join(parts)

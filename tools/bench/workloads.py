@@ -110,7 +110,9 @@ def mooncake_workload(opts: MooncakeOptions, n: int, seed: int) -> Workload:
     """The first n requests of the trace (after `skip`), by arrival time, scaled down.
 
     Each 512-token block becomes `block_tokens` ids that depend only on its hash id, so equal
-    block ids make equal prefixes; lengths scale by block_tokens/512, time by time_scale.
+    block ids make equal prefixes; prompt lengths scale by block_tokens/512, time by time_scale.
+    Output lengths are the trace's own, capped at max_output_tokens: scaled like the prompts, a
+    third of them would be one token long, and answers would no longer look like the trace's.
     """
     scale = opts.block_tokens / TRACE_BLOCK_TOKENS
     seen_blocks: set[int] = set()
@@ -124,7 +126,7 @@ def mooncake_workload(opts: MooncakeOptions, n: int, seed: int) -> Workload:
         ids = tuple(itertools.chain.from_iterable(blocks))[:prompt_len]
         hit_blocks = next((k for k, b in enumerate(row["hash_ids"]) if b not in seen_blocks), len(row["hash_ids"]))
         seen_blocks.update(row["hash_ids"])
-        output = min(opts.max_output_tokens, max(1, round(row["output_length"] * scale)))
+        output = min(opts.max_output_tokens, max(1, int(row["output_length"])))
         requests.append(PlannedRequest(i, (row["timestamp"] - t0) / 1000 * opts.time_scale, ids, output,
                                        planned_prompt_tokens=len(ids),
                                        planned_hit_tokens=min(len(ids), hit_blocks * opts.block_tokens)))
