@@ -363,6 +363,9 @@ class GatewayConfig:
     prefill_tokens_per_s_guess: float = flag(1000.0)
     decode_step_s_guess: float = flag(0.05, "one decode step on RLD or MD until the gaps between their tokens "
                                             "were measured")
+    warm_prefill_tokens: int = flag(32, "every this many tokens of a running answer, P computes the answer so far "
+                                        "into its prefix cache, so the session's next turn hits it there too "
+                                        "(0: off)")
     route_load_penalty_tokens: int = flag(256, "cache-aware MD routing: one running request costs as much as this "
                                                "many hit tokens")
     max_running_requests: int = flag(64, "requests in flight before new ones queue (0: no limit)")

@@ -110,6 +110,8 @@ class PrefillMetrics(_RoleMetrics):
         self.cache_hit_tokens = Counter("pdd_cache_hit_tokens", "Prompt tokens served from P's prefix cache",
                                         registry=r)
         self.computed_tokens = Counter("pdd_prefill_computed_tokens", "Prompt tokens P computed", registry=r)
+        self.warmed_tokens = Counter("pdd_prefill_warmed_tokens", "Tokens of running answers P computed into its "
+                                     "prefix cache (warm-ups, not counted as prompt tokens)", registry=r)
         self.prefill_time = Histogram("pdd_prefill_seconds", "P's compute time per request",
                                       buckets=LATENCY_BUCKETS_S, registry=r)
         self.kv_bytes = Counter("pdd_kv_transfer_bytes", "KV bytes sent (frame headers included), by target role",

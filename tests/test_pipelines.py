@@ -229,3 +229,21 @@ async def test_unknown_pipeline_is_refused_before_any_work(stack, session, promp
     with pytest.raises(ApiError) as err:
         await complete(session, stack, prompts[0], 3, pipeline="p-rld")
     assert err.value.status == 400
+
+
+async def test_a_sessions_next_turn_finds_the_answer_in_ps_cache(stack, session, tiny_tokenizer, tiny_generate):
+    # every 32 tokens of an answer the gateway has P compute the answer so far into its prefix
+    # cache; the next turn (prompt, answer, a tool's output) then hits it on P as on MD
+    import asyncio
+
+    from helpers import fresh_heartbeats, random_prompt
+
+    prompt = fresh(tiny_tokenizer, "session", random_prompt(7, 150))
+    first = await complete(session, stack, prompt, 80, pipeline="p-md")
+    async with asyncio.timeout(30):  # until P ran the warm-ups (they are not requests anyone waits for)
+        while (await fresh_heartbeats(stack.nats_url, ("prefill",)))["prefill"].running:
+            await asyncio.sleep(0.1)
+    turn = prompt + first.token_ids + random_prompt(8, 20)
+    second = await complete(session, stack, turn, 8, pipeline="p-md")
+    assert second.summary["cached_tokens"]["prefill"] >= len(prompt) + 64 - 1, "the answer's first 64 tokens"
+    assert second.token_ids == tiny_generate(turn, 8)

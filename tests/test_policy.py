@@ -285,3 +285,15 @@ def test_prefill_is_routed_to_the_p_whose_cache_holds_the_prompt() -> None:
         registry.observe(Heartbeat("prefill", p, "", 0, "m", 0, 0, time.time()))
     prefill, hit = dispatcher._pick_cached(Role.PREFILL, prompt + [1], avoid=set())
     assert (prefill.heartbeat.instance_id, hit) == ("p-a", 48), "P's own hit: what it will not compute"
+
+
+def test_p_is_asked_to_cache_a_running_answer_every_step_but_the_last() -> None:
+    from services.gateway.routing.answer_warming import AnswerWarmer
+
+    warmer = AnswerWarmer(step_tokens=4)
+    assert warmer.on_tokens("r", 0, [1, 2, 3], finished=False) is None
+    assert warmer.on_tokens("r", 4, [5, 6], finished=False) is None, "token 3 is still missing"
+    assert warmer.on_tokens("r", 3, [4], finished=False) == [1, 2, 3, 4]
+    assert warmer.on_tokens("r", 6, [7, 8, 9], finished=False) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert warmer.on_tokens("r", 9, [10, 11, 12], finished=True) is None, "the next turn computes the rest"
+    assert AnswerWarmer(step_tokens=0).on_tokens("r", 0, [1, 2, 3, 4], finished=False) is None

@@ -110,6 +110,10 @@ class PrefillService:
         except PddError as exc:
             await bus.reply_error(msg, exc)
             return
+        if not req.targets:  # a warm-up: nobody waits for an answer
+            if self.cache is not None:
+                await self._start_warm(req)
+            return
         prefix = await self.cache.call(self.cache.tree.lock, req.prompt_ids[:-1]) if self.cache is not None else None
         job = PrefillJob(req, prefix, tracing.extract(msg.headers))
         self.metrics.prompt_tokens.inc(job.prompt_kv_tokens)
@@ -117,6 +121,46 @@ class PrefillService:
         self.jobs[req.request_id] = job
         job.task = asyncio.create_task(self._run(job), name=f"prefill-{req.request_id}")
         await msg.respond(messages.encode(PrefillAccepted(req.request_id, self.instance_id, job.cached_tokens)))
+
+    async def _start_warm(self, req: PrefillRequest) -> None:
+        prefix = await self.cache.call(self.cache.tree.lock, req.prompt_ids[:-1])
+        job = PrefillJob(req, prefix)
+        self.jobs[req.request_id] = job
+        job.task = asyncio.create_task(self._warm(job), name=f"warm-{req.request_id}")
+
+    async def _warm(self, job: PrefillJob) -> None:
+        """Extend P's prefix cache with what it lacks of a running answer (no KV path, no report), so
+        the session's next turn finds it here as it finds it in MD's DRC."""
+        req = job.request
+        kv_ids = req.prompt_ids[:-1]
+        hit = job.cached_tokens
+        try:
+            job.move(Phase.COMPUTING)
+            chunks: list[torch.Tensor] = []
+            if hit:
+                chunks.append(await self.cache.call(self.cache.tree.gather, job.prefix))
+                self.cache.post(job.prefix.release)
+            await self.prefiller.open(req.request_id, len(kv_ids), chunks[0] if chunks else None)
+            for chunk in chunk_ranges(len(kv_ids), self.config.chunk_tokens, start=hit):
+                kv, _, _ = await self.prefiller.compute_chunk(req.request_id, kv_ids, chunk)
+                chunks.append(kv)
+            job.move(Phase.SENDING)
+            self.prefiller.release(req.request_id)
+            if len(chunks) > (1 if hit else 0):
+                await self._keep(kv_ids, await self.engine.run(_concat_tokens, chunks))
+                self.metrics.warmed_tokens.inc(len(kv_ids) - hit)
+            job.move(Phase.DONE)
+        except asyncio.CancelledError:
+            if not job.ended:
+                job.move(Phase.ABORTED)
+            raise
+        except PddError as exc:  # the next turn computes what is missing
+            log.warning("%s: warm-up failed: %s", req.request_id, exc)
+            job.move(Phase.FAILED)
+        finally:
+            self.prefiller.release(req.request_id)
+            self.cache.post(job.prefix.release)
+            self.jobs.pop(req.request_id, None)
 
     async def _on_abort(self, msg: Msg) -> None:
         try:

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from services.gateway.routing.answer_warming import AnswerWarmer
 from services.gateway.routing.cache_index import CacheIndex
 from services.gateway.routing.policy import (
     NO_RELAY_S,
@@ -36,11 +37,11 @@ from shared.messages import (
     Abort,
     DecodeAccepted,
     DecodeAssign,
+    HandoffStats,
     Heartbeat,
     KVTarget,
     PrefillAccepted,
     PrefillDone,
-    HandoffStats,
     PrefillRequest,
     ReleaseKV,
     TokenChunk,
@@ -71,6 +72,7 @@ class Dispatcher:
         self.active: dict[str, tuple[Attempt, Callable[[Msg], Awaitable[None]]]] = {}
         self._watches: dict[str, tuple[RelayWatch, str]] = {}  # request id -> its watch, P's instance id
         self._main_started: set[str] = set()  # attempts MD has taken over or started (it made a token)
+        self._warmer = AnswerWarmer(config.warm_prefill_tokens)
 
     async def listen(self) -> None:
         """Hear every request's events through one subscription, made before any request is dispatched.
@@ -98,9 +100,25 @@ class Dispatcher:
                 self._main_started.add(request_id)
             elif request_id in self._watches:
                 await self._watch_relay(request_id, event.start + len(event.token_ids), now)
+            answer = self._warmer.on_tokens(request_id, event.start, event.token_ids, event.finish_reason is not None)
+            if answer is not None:
+                await self._warm_prefill(entry[0], answer)
         elif isinstance(event, HandoffStats):
             self._main_started.add(request_id)
         await entry[1](msg)
+
+    async def _warm_prefill(self, attempt: Attempt, answer: list[int]) -> None:
+        """Ask P to cache the prompt and the answer so far (a PrefillRequest with no KV path, published:
+        nobody waits for it)."""
+        prefill = attempt.instances.get(Role.PREFILL)
+        if prefill is None:
+            return
+        warm = PrefillRequest(f"{attempt.request_id}.warm{len(answer)}", [*attempt.request.prompt_ids, *answer], [],
+                              self.config.request_timeout_s)
+        try:
+            await bus.publish(self.nc, subjects.prefill(prefill), warm)
+        except PddError as exc:  # the next turn computes what is missing
+            log.warning("%s: warm-up not sent: %s", attempt.request_id, exc)
 
     async def _watch_relay(self, request_id: str, relay_tokens: int, now: float) -> None:
         """P holds MD's KV back: release it once RLD no longer looks like finishing first."""
@@ -277,6 +295,7 @@ class Dispatcher:
             return
         del self.active[attempt.request_id]
         self.telemetry.forget(attempt.request_id)
+        self._warmer.forget(attempt.request_id)
         self._watches.pop(attempt.request_id, None)
         main_started = attempt.request_id in self._main_started
         self._main_started.discard(attempt.request_id)
