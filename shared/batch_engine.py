@@ -21,6 +21,7 @@ import torch
 
 from shared.config import EngineConfig
 from shared.errors import BadRequest, PddError
+from shared.grammar import Constraint, GrammarCompiler, GrammarDiverged, GrammarState
 from shared.model_runner import DecodeSequence, ModelRunner, PackedRow, SequenceKV
 from shared.sampling import sample_rows
 
@@ -91,11 +92,15 @@ def _notify(future: asyncio.Future, result: object = None, exc: BaseException | 
 
 
 class BatchEngine:
-    def __init__(self, runner: ModelRunner, config: EngineConfig = EngineConfig(), name: str = "engine") -> None:
+    def __init__(self, runner: ModelRunner, config: EngineConfig = EngineConfig(), name: str = "engine",
+                 grammars: GrammarCompiler | None = None) -> None:
+        """`grammars`: the model's vocabulary for constrained decoding (decoders); without it a request
+        with a constraint is refused at admission."""
         if config.torch_threads > 0:
             torch.set_num_threads(config.torch_threads)
         self.runner = runner
         self.config = config
+        self.grammars = grammars
         self._cond = threading.Condition()
         self._incoming: list[_Work] = []  # guarded by _cond
         self._commands: deque[Callable[[], None]] = deque()  # guarded by _cond
@@ -299,6 +304,8 @@ class BatchEngine:
                 return  # in arrival order: a big request is not overtaken forever by small ones
             self._waiting.popleft()
             try:
+                if admission.seq is not None and admission.seq.sampling.constraint is not None:
+                    admission.seq.grammar = self._new_grammar(admission.seq.sampling.constraint)
                 kv = self.runner.new_kv(admission.reserve_tokens, admission.parts)
             except Exception as exc:
                 _notify(admission.future, exc=exc)
@@ -308,6 +315,11 @@ class BatchEngine:
             if admission.seq is not None:
                 admission.seq.kv = kv
             _notify(admission.future, kv)  # a caller that gave up meanwhile still releases the key
+
+    def _new_grammar(self, constraint: dict[str, str]) -> GrammarState:
+        if self.grammars is None:
+            raise BadRequest("this engine has no grammar support; constrained decoding runs on decoders")
+        return self.grammars.new_state(Constraint.from_dict(constraint))
 
     def _release(self, key: str) -> None:
         slot = self._slots.pop(key, None)
@@ -366,20 +378,11 @@ class BatchEngine:
             work.fed += take
         # logits has one row per row that wanted them, in batch order: exactly the sampling work now complete
         sampled = [w for w, _ in batch if w.sample and not w.left]
-        seqs = [self._slots[w.key].seq for w in sampled]
-        ready = [i for i, seq in enumerate(seqs) if seq is not None]
-        picks = dict(zip(ready, sample_rows(logits[ready] if len(ready) < len(seqs) else logits,
-                                            [seqs[i].sampling_row() for i in ready])))
-        settled: list[tuple[asyncio.Future, object, BaseException | None]] = []
-        for i, work in enumerate(sampled):
-            seq = seqs[i]
-            if seq is None:
-                settled.append((work.future, None, NotAdmitted(f"{work.key} has no sampling state")))
-                continue
-            result = (picks[i].token_id, seq.accept(picks[i].token_id, picks[i].logprob))
-            if result[1] is None:
-                self._expected.add(work.key)
-            settled.append((work.future, result, None))
+        try:
+            settled = self._sample(sampled, logits)
+        except Exception as exc:  # a bug in one option must not stop the engine: this step's rows fail
+            log.exception("sampling %d requests failed", len(sampled))
+            settled = [(work.future, None, exc) for work in sampled]
         for work, _ in batch:
             if not work.left and not work.sample:
                 kv = self._slots[work.key].kv
@@ -392,6 +395,38 @@ class BatchEngine:
         self.batch_sizes.append(len(batch))
         for future, result, exc in settled:
             _notify(future, result, exc)
+
+    def _sample(self, sampled: list[_Work], logits: torch.Tensor) -> list[tuple[asyncio.Future, object,
+                                                                                 BaseException | None]]:
+        """Pick each sampling row's token (its grammar synced and applied first): what to settle."""
+        seqs = [self._slots[w.key].seq for w in sampled]
+        failed: dict[int, PddError] = {}
+        grammars: dict[int, GrammarState | None] = {}
+        for i, seq in enumerate(seqs):
+            if seq is None:
+                failed[i] = NotAdmitted(f"{sampled[i].key} has no sampling state")
+                continue
+            try:
+                grammars[i] = seq.synced_grammar()
+            except GrammarDiverged as exc:  # this request ends; the others in the step go on
+                failed[i] = exc
+        ready = list(grammars)
+        with torch.inference_mode():  # the forward's logits are inference tensors; masks change them in place
+            ready_logits = logits[ready] if len(ready) < len(seqs) else logits
+            if self.grammars is not None:
+                self.grammars.apply_masks(ready_logits, list(grammars.values()))
+            picks = dict(zip(ready, sample_rows(ready_logits, [seqs[i].sampling_row() for i in ready])))
+        settled: list[tuple[asyncio.Future, object, BaseException | None]] = []
+        for i, work in enumerate(sampled):
+            seq = seqs[i]
+            if i in failed:
+                settled.append((work.future, None, failed[i]))
+                continue
+            result = (picks[i].token_id, seq.accept(picks[i].token_id, picks[i].logprob))
+            if result[1] is None:
+                self._expected.add(work.key)
+            settled.append((work.future, result, None))
+        return settled
 
     def _export(self, key: str, start: int, end: int) -> torch.Tensor:
         slot = self._slots.get(key)

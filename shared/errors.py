@@ -17,6 +17,14 @@ class BadRequest(PddError):
     code = "invalid_request_error"
 
 
+class InvalidParam(BadRequest):
+    """A bad value in one named request field; OpenAI clients show the field as `param`."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class PeerGone(PddError):
     """A peer service, connection or instance is not there any more."""
 

@@ -27,7 +27,7 @@ import llguidance.hf
 import numpy as np
 import torch
 
-from shared.errors import BadRequest, PddError
+from shared.errors import InvalidParam, PddError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -40,12 +40,8 @@ TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"  # the Hermes / 
 MATCHER_CACHE_SIZE = 64
 
 
-class InvalidConstraint(BadRequest):
+class InvalidConstraint(InvalidParam):
     """A response_format or tool definition the grammar library refuses; `param` names the field."""
-
-    def __init__(self, param: str | None, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class GrammarDiverged(PddError):
@@ -103,7 +99,8 @@ def constraint_for_response_format(response_format: object) -> Constraint | None
     if not isinstance(schema, Mapping):
         raise InvalidConstraint("response_format.json_schema.schema",
                                 "response_format.json_schema.schema must be a JSON schema object")
-    return Constraint(ConstraintKind.JSON_SCHEMA, _json_grammar(schema, "response_format.json_schema.schema"))
+    return Constraint(ConstraintKind.JSON_SCHEMA, _json_grammar(closed_objects(schema),
+                                                                "response_format.json_schema.schema"))
 
 
 def check_json_schema(schema: Mapping[str, object], param: str) -> None:
@@ -112,9 +109,10 @@ def check_json_schema(schema: Mapping[str, object], param: str) -> None:
 
 
 def constraint_for_tool_calls(parameters_by_name: Mapping[str, Mapping[str, object]], *,
-                              only: str | None = None) -> Constraint:
-    """One or more Hermes tool calls to any of the tools (tool_choice "required"), or exactly one call
-    to the tool named `only` (a named tool_choice). Each call is, then the answer ends:
+                              only: str | None = None, single: bool = False) -> Constraint:
+    """One or more Hermes tool calls to any of the tools (tool_choice "required"; exactly one when
+    `single`, parallel_tool_calls false), or exactly one call to the tool named `only` (a named
+    tool_choice). Each call is, then the answer ends:
 
         <tool_call>\\n{"name": "<name>", "arguments": <that tool's parameters schema>}\\n</tool_call>
 
@@ -125,16 +123,33 @@ def constraint_for_tool_calls(parameters_by_name: Mapping[str, Mapping[str, obje
     if not names:
         raise InvalidConstraint("tools", "tool calls need at least one tool")
     calls = [{"type": "object",
-              "properties": {"name": {"const": name}, "arguments": parameters_by_name[name]},
+              "properties": {"name": {"const": name}, "arguments": closed_objects(parameters_by_name[name])},
               "required": ["name", "arguments"], "additionalProperties": False} for name in names]
     body = {"anyOf": calls, "x-guidance": JSON_STYLE} if len(calls) > 1 else {**calls[0], "x-guidance": JSON_STYLE}
-    repeat = "" if only is not None else ' ("\\n" call)*'
+    repeat = "" if only is not None or single else ' ("\\n" call)*'
     lark = (f"start: call{repeat}\n"
             f"call: {json.dumps(TOOL_CALL_OPEN + chr(10))} body {json.dumps(chr(10) + TOOL_CALL_CLOSE)}\n"
             f"body: %json {json.dumps(body)}\n")
     grammar = llguidance.LLMatcher.grammar_from_lark(lark)
     _check(grammar, "tool_choice" if only is not None else "tools")
     return Constraint(ConstraintKind.TOOL_CALLS, grammar)
+
+
+def closed_objects(schema: object) -> object:
+    """The schema with every object that lists its `properties` closed to others unless it says
+    otherwise (`additionalProperties` false), as vLLM's xgrammar does in its default strict mode: a
+    schema that names its fields means those fields, and a model must not wander into keys of its own."""
+    if isinstance(schema, Mapping):
+        closed = {key: ({name: closed_objects(sub) for name, sub in value.items()}  # names, not a schema
+                        if key in ("properties", "$defs", "definitions") and isinstance(value, Mapping)
+                        else closed_objects(value))
+                  for key, value in schema.items()}
+        if "properties" in closed and "additionalProperties" not in closed and "patternProperties" not in closed:
+            closed["additionalProperties"] = False
+        return closed
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    return schema
 
 
 def _json_grammar(schema: Mapping[str, object], param: str) -> str:

@@ -9,15 +9,21 @@ knows where each request's KV lives.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward, use_gqa_in_sdpa
+from transformers.integrations.sdpa_attention import (
+    sdpa_attention_forward,
+    use_gqa_in_sdpa,
+)
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from shared.sampling import SamplingParams, SamplingRow, TokenLogprob
+
+if TYPE_CHECKING:
+    from shared.grammar import GrammarState
 
 ATTENTION = "pdd_packed"
 
@@ -65,6 +71,7 @@ class DecodeSequence:
     output_ids: list[int] = field(default_factory=list)
     first_index: int = 0  # the request's output index of output_ids[0] (not 0 after a migration)
     last_logprob: TokenLogprob | None = None  # the newest sampled token's, when the request asks for logprobs
+    grammar: GrammarState | None = None  # set by the engine at admission when the request has a constraint
 
     @property
     def request_prompt_ids(self) -> list[int]:
@@ -77,6 +84,15 @@ class DecodeSequence:
         """Every output token of the request so far, wherever it was made: by an earlier attempt (the
         end of a migrated prompt), by RLD (adopted on MD) or here."""
         return self.prompt_ids[len(self.prompt_ids) - self.first_index:] + self.output_ids
+
+    def synced_grammar(self) -> GrammarState | None:
+        """The request's grammar state, past every output token known so far: a tier that takes over
+        (MD adopting RLD's eager tokens, a migrated attempt) replays what others made, and every tier
+        the tokens it sampled itself. GrammarDiverged if a token breaks the grammar."""
+        grammar = self.grammar
+        if grammar is not None and grammar.tokens_accepted < self.first_index + len(self.output_ids):
+            grammar.replay(self.request_output_ids[grammar.tokens_accepted:])
+        return grammar
 
     def sampling_row(self) -> SamplingRow:
         """What the sampler needs for this request's next token; the history only when an option reads it."""

@@ -5,6 +5,7 @@ options read besides the logits (the position, the request's prompt and every ea
 every tier knows, so a request yields the same tokens whichever tier (RLD or MD) produces token i,
 and after a migration. Options follow vLLM's definitions, in vLLM's order:
 
+0. (the engine, before this module) a grammar's mask, for requests with a `constraint`;
 1. logprobs: log_softmax of the model's logits, before anything below (vLLM's "raw_logprobs");
 2. the row's own logits processors (`SamplingRow.processors`), min_tokens, logit_bias;
 3. repetition, frequency and presence penalties;
@@ -43,6 +44,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest (after temperature)
     logprobs: int | None = None  # None: off; N: each token's logprob and the N likeliest tokens'
+    constraint: dict[str, str] | None = None  # shared.grammar.Constraint.to_dict(): the output's grammar
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -304,3 +304,29 @@ def test_decoder_heartbeat_reports_the_kv_budget_and_its_use(tiny_path):
             "kv_budget_tokens": 1234, "kv_used_tokens": 0, "waiting": 0}
     finally:
         service.engine.shutdown()
+
+
+async def test_a_request_whose_tokens_break_its_grammar_fails_alone(runner, prompts, tiny_path):
+    """MD adopting tokens its grammar refuses (the tiers disagree) fails that request with
+    grammar_diverged; the request beside it in the same steps finishes, and the engine lives on."""
+    from shared.grammar import GrammarCompiler, GrammarDiverged, constraint_for_response_format
+    from shared.models import load_tokenizer
+
+    grammars = GrammarCompiler.from_hf(load_tokenizer(tiny_path), runner.config.vocab_size,
+                                       (runner.config.eos_token_id,))
+    constraint = constraint_for_response_format({"type": "json_object"}).to_dict()
+    engine = BatchEngine(runner, EngineConfig(), name="test", grammars=grammars)
+    try:
+        constrained = DecodeSequence("json", prompts[2], SamplingParams(max_tokens=8, constraint=constraint),
+                                     runner.max_context_tokens)
+        plain = sequence(runner, "plain", prompts[3], 8)
+        not_json = [runner.config.eos_token_id + 7]  # any token that cannot start a JSON object
+        broken = decode(engine, constrained, prompt_kv(runner, prompts[2]), eager_ids=not_json)
+        results = await asyncio.gather(broken, decode(engine, plain, prompt_kv(runner, prompts[3])),
+                                       return_exceptions=True)
+        assert isinstance(results[0], GrammarDiverged) and results[0].code == "grammar_diverged"
+        assert len(results[1]) == 8
+        again = sequence(runner, "after", prompts[4], 4)
+        assert len(await decode(engine, again, prompt_kv(runner, prompts[4]))) == 4
+    finally:
+        engine.shutdown()

@@ -4,6 +4,7 @@ nothing is left behind."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import pytest
@@ -133,6 +134,28 @@ async def test_a_migrated_seeded_sample_draws_what_it_would_have_drawn(stack, se
     migrated = await stream_completion(session, stack.api_url, body, on_token=kill_at_15)
     assert migrated.summary["migrations"], "the kill landed after the last token"
     assert migrated.token_ids == undisturbed.token_ids
+    await stack.restart("main")
+    await healthy(session, stack)
+
+
+async def test_a_migrated_answer_keeps_its_grammar(stack, session):
+    """The instance that takes over replays the tokens the client has through its own matcher: the
+    answer is the one an undisturbed run gives, and it follows the schema."""
+    schema = {"type": "object", "properties": {"steps": {"type": "array", "items": {"enum": ["left", "right", "up"]},
+                                                         "minItems": 40, "maxItems": 40}},
+              "required": ["steps"]}
+    body = {"prompt": prompt(12), "max_tokens": 200, "temperature": 0.9, "seed": 21, "pdd": {"pipeline": "p-md"},
+            "response_format": {"type": "json_schema", "json_schema": {"name": "walk", "schema": schema}}}
+    undisturbed = await stream_completion(session, stack.api_url, body)
+
+    def kill_at_15(index: int, tier: str) -> None:
+        if index == 15:
+            stack.kill("main")
+
+    migrated = await stream_completion(session, stack.api_url, body, on_token=kill_at_15)
+    assert migrated.summary["migrations"], "the kill landed after the last token"
+    assert migrated.token_ids == undisturbed.token_ids and migrated.finish_reason == "stop"
+    assert len(json.loads(migrated.text)["steps"]) == 40
     await stack.restart("main")
     await healthy(session, stack)
 

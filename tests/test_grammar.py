@@ -252,3 +252,20 @@ def test_the_gpu_unpacking_agrees_with_the_cpu_one() -> None:
     assert on_host.shape == (3, 1270)
     assert torch.equal(on_host, _unpack_with_shifts(bitmask, 1270))
     assert on_host[1, 37].item() == bool((bitmask[1, 1].item() >> 5) & 1)
+
+
+def test_objects_that_name_their_properties_are_closed_unless_they_say_otherwise():
+    from shared.grammar import closed_objects
+
+    schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"a": {}}},
+                                               "free": {"type": "object"},
+                                               "open": {"type": "object", "properties": {},
+                                                        "additionalProperties": True}},
+              "$defs": {"item": {"properties": {"b": {}}}}}
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]  # a map of names, not a schema
+    assert closed["properties"]["properties"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]["free"]  # no properties listed: any object
+    assert closed["properties"]["open"]["additionalProperties"] is True
+    assert closed["$defs"]["item"]["additionalProperties"] is False

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -18,15 +19,27 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.gateway.run.request_run import GenerationRequest, TokenEvent
 from services.gateway.http.http_errors import error_middleware, error_payload
 from services.gateway.http.openai_api import OpenAIHandlers
 from services.gateway.http.request_parsing import (
-    NOT_HONOURED, InvalidParam, ModelNotFound, ParsedRequest, PayloadTooLarge, decode_json_body, parse_chat_request,
+    NOT_HONOURED,
+    InvalidParam,
+    ModelNotFound,
+    ParsedRequest,
+    PayloadTooLarge,
+    decode_json_body,
+    parse_chat_request,
     parse_completion_request,
 )
+from services.gateway.run.request_run import GenerationRequest, TokenEvent
 from shared.config import CommonConfig, GatewayConfig
-from shared.errors import BadRequest, DeadlineExceeded, PddError, PeerGone, RequestAborted
+from shared.errors import (
+    BadRequest,
+    DeadlineExceeded,
+    PddError,
+    PeerGone,
+    RequestAborted,
+)
 from shared.messages import HandoffStats
 from shared.models import load_tokenizer, resolve_model
 from shared.sampling import TokenLogprob
@@ -163,8 +176,7 @@ def test_bad_completion_prompts_are_refused(tokenizer, body):
 
 
 NOT_HONOURED_VALUES = {
-    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "functions": [{"name": "f"}],
-    "function_call": "auto", "response_format": {"type": "json_object"},
+    "functions": [{"name": "f"}], "function_call": "auto",
     "echo": True, "suffix": "x", "best_of": 2, "prompt_logprobs": 1, "prediction": {"type": "content", "content": "x"}, "audio": {"voice": "x"},
     "modalities": ["text", "audio"], "web_search_options": {}, "reasoning_effort": "low", "verbosity": "low", "guided_json": {},
     "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= 'a'", "structured_outputs": {"json": {}},
@@ -187,12 +199,13 @@ def test_a_field_pdd_does_not_honour_is_refused_naming_it_unless_it_asks_nothing
 
 
 @pytest.mark.parametrize("message, param", [
-    ({"role": "tool", "content": "42", "tool_call_id": "c1"}, "messages[1].role"),
     ({"role": "function", "content": "42", "name": "f"}, "messages[1].role"),
     ({"role": "robot", "content": "hi"}, "messages[1].role"),
     ({"role": "user"}, "messages[1].content"),
     ({"role": "system", "content": None}, "messages[1].content"),
-    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}, "messages[1].tool_calls"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
+     "messages[1].tool_calls[0]"),
+    ({"role": "tool", "content": 42, "tool_call_id": "c1"}, "messages[1].content"),
 ])
 def test_roles_and_message_shapes_are_checked(tokenizer, message, param):
     with pytest.raises(InvalidParam) as info:
@@ -625,11 +638,14 @@ async def test_a_field_pdd_cannot_honour_is_a_400_naming_it_through_the_client(t
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
     async with serve(FakeDispatcher(tokenizer, TEXT), tokenizer) as url, openai_client(url) as client:
         with pytest.raises(openai.BadRequestError) as info:
-            await client.chat.completions.create(model=MODEL, messages=USER_HI, tools=[tool], tool_choice="required")
-        assert info.value.param == "tools"
+            await client.chat.completions.create(model=MODEL, messages=USER_HI, tools=[tool], tool_choice="maybe")
+        assert info.value.param == "tool_choice"
         with pytest.raises(openai.BadRequestError) as info:
-            await client.chat.completions.create(model=MODEL, messages=USER_HI, response_format={"type": "json_object"})
-        assert info.value.param == "response_format"
+            await client.chat.completions.create(model=MODEL, messages=USER_HI, response_format={"type": "yaml"})
+        assert info.value.param == "response_format.type"
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model=MODEL, messages=USER_HI, functions=[{"name": "f"}])
+        assert info.value.param == "functions"
         with pytest.raises(openai.BadRequestError) as info:
             await client.chat.completions.create(model=MODEL, messages=USER_HI, temperature=5)
         assert info.value.param == "temperature"
@@ -776,3 +792,75 @@ async def test_a_token_stream_stalled_past_the_request_deadline_is_504(tokenizer
             await client.completions.create(model=MODEL, prompt="x")
     assert info.value.status_code == 504 and info.value.body["code"] == "deadline_exceeded"
     assert dispatcher.runs[0].close_reasons == ["error"]
+
+
+# --- tools and response_format: parsing, and the answer read for tool calls ---------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_response_format_and_forced_tool_calls_travel_as_a_constraint(tokenizer):
+    plain = chat(tokenizer, {"messages": USER_HI, "tools": [WEATHER]})
+    assert plain.sampling.constraint is None and plain.reads_tool_calls  # auto: read, not forced
+    forced = chat(tokenizer, {"messages": USER_HI, "tools": [WEATHER], "tool_choice": "required"})
+    assert forced.sampling.constraint["kind"] == "tool_calls"
+    named = chat(tokenizer, {"messages": USER_HI, "tools": [WEATHER],
+                             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert named.sampling.constraint["kind"] == "tool_calls"
+    none = chat(tokenizer, {"messages": USER_HI, "tools": [WEATHER], "tool_choice": "none"})
+    assert none.sampling.constraint is None and not none.reads_tool_calls
+    assert "get_weather" not in tokenizer.decode(none.prompt_ids)  # "none": the tools stay out of the prompt
+    assert "get_weather" in tokenizer.decode(plain.prompt_ids)
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}}
+    for parse, base in ((chat, {"messages": USER_HI}), (completion, {"prompt": "x"})):
+        assert parse(tokenizer, {**base, "response_format": schema}).sampling.constraint["kind"] == "json_schema"
+        assert parse(tokenizer, {**base, "response_format": {"type": "json_object"}}).sampling.constraint
+
+
+def test_tool_history_is_rendered_through_the_template(tokenizer):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    parsed = chat(tokenizer, {"messages": [*USER_HI, {"role": "assistant", "content": None, "tool_calls": [call]},
+                                           {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
+                              "tools": [WEATHER]})
+    text = tokenizer.decode(parsed.prompt_ids)
+    assert '"city": "Paris"' in text and "<tool_response>" in text and "sunny" in text
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "min_tokens": 3}, "min_tokens"),
+    ({"tools": [WEATHER], "tool_choice": "required", "ignore_eos": True}, "ignore_eos"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strange"}}}},
+     "response_format.json_schema.schema"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+])
+def test_bad_tool_and_format_requests_name_the_field(tokenizer, extra, param):
+    with pytest.raises(BadRequest) as info:
+        chat(tokenizer, {"messages": USER_HI, **extra})
+    assert getattr(info.value, "param", None) == param
+
+
+async def test_a_tool_call_in_the_answer_comes_back_as_tool_calls_whole_and_streamed(tokenizer):
+    text = "Let me check. " + CALL_TEXT
+    async with serve(FakeDispatcher(tokenizer, text), tokenizer) as url, openai_client(url) as client:
+        whole = await client.chat.completions.create(model=MODEL, messages=USER_HI, tools=[WEATHER])
+        stream = await client.chat.completions.create(model=MODEL, messages=USER_HI, tools=[WEATHER], stream=True)
+        chunks = [chunk async for chunk in stream]
+        plain = await client.chat.completions.create(model=MODEL, messages=USER_HI, tools=[WEATHER],
+                                                     tool_choice="none")
+    message = whole.choices[0].message
+    assert whole.choices[0].finish_reason == "tool_calls" and message.content == "Let me check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == \
+        [("get_weather", {"city": "Paris"})]
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    assert "".join(d.content or "" for d in deltas) == "Let me check."
+    streamed = [call for d in deltas for call in d.tool_calls or []]
+    assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in streamed] == \
+        [(0, "get_weather", {"city": "Paris"})]
+    assert streamed[0].id.startswith("call_") and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert plain.choices[0].message.content == text and not plain.choices[0].message.tool_calls

@@ -35,6 +35,7 @@ from services.gateway.http.request_parsing import (
     parse_chat_request,
     parse_completion_request,
 )
+from services.gateway.http.tool_calls import ToolCallStream, parse_answer
 from services.gateway.observe.request_telemetry import STARTED_AT, RequestTelemetry
 from services.gateway.run.attempt import GenerationRequest
 from services.gateway.run.request_run import new_request_id
@@ -243,10 +244,11 @@ class _Shapes:
         return chunk
 
     def _choice(self, text: str, finish_reason: str | None, *, first: bool = False,
-                logprobs: Json | None = None) -> Json:
+                logprobs: Json | None = None, delta: Json | None = None) -> Json:
         if not self.chat:
             return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        delta: Json = {} if finish_reason is not None else {"content": text}
+        if delta is None:
+            delta = {} if finish_reason is not None else {"content": text}
         if first:  # OpenAI's first chunk names the role beside the first token's text
             delta = {"role": "assistant", **delta}
         return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -254,13 +256,14 @@ class _Shapes:
     def _logprobs_of(self, steps: list[_Step]) -> Json | None:
         return None if self.logprobs is None else self.logprobs.of(steps)
 
-    def token_chunk(self, step: _Step, pipeline: str) -> Json:
+    def token_chunk(self, step: _Step, pipeline: str, delta: Json | None = None) -> Json:
         """The chunk of one token; the first (index 0) also carries the assistant role, so that the
-        first chunk a client sees is the first token (its time is the TTFT clients measure)."""
+        first chunk a client sees is the first token (its time is the TTFT clients measure).
+        `delta`: chat's delta when the text is read for tool calls (else the step's text)."""
         pdd: Json = {"tokens": [{"index": step.index, "id": step.token_id, "tier": step.tier}], "pipeline": pipeline}
         if step.handoff is not None:
             pdd["handoff"] = step.handoff
-        choice = self._choice(step.text, None, first=step.index == 0, logprobs=self._logprobs_of([step]))
+        choice = self._choice(step.text, None, first=step.index == 0, logprobs=self._logprobs_of([step]), delta=delta)
         return {**self._chunk([choice]), "pdd": pdd}
 
     def final_chunk(self, finish_reason: str, summary: Json, handoff: Json | None) -> Json:
@@ -273,15 +276,51 @@ class _Shapes:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"),
                 "choices": [], "usage": usage}
 
-    def completion(self, text: str, steps: list[_Step], finish_reason: str, usage: Json, pdd: Json) -> Json:
+    def completion(self, text: str, steps: list[_Step], finish_reason: str, usage: Json, pdd: Json,
+                   tool_names: frozenset[str] = frozenset()) -> Json:
+        """`tool_names`: the text is read for calls to these tools (chat with tools offered)."""
         logprobs = self._logprobs_of(steps)
         if self.chat:
-            choice: Json = {"index": 0, "message": {"role": "assistant", "content": text},
-                            "logprobs": logprobs, "finish_reason": finish_reason}
+            message: Json = {"role": "assistant", "content": text}
+            if tool_names:
+                answer = parse_answer(text, tool_names)
+                message["content"] = answer.content
+                if answer.tool_calls:
+                    message["tool_calls"] = answer.tool_calls
+                    finish_reason = _tool_finish(finish_reason)
+            choice: Json = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head("chat.completion" if self.chat else "text_completion"),
                 "choices": [choice], "usage": usage, "pdd": pdd}
+
+
+def _tool_finish(finish_reason: str) -> str:
+    """An answer that ended by itself with tool calls in it finished to call them (a length cut stays one)."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+class _ToolDeltas:
+    """A streamed chat answer's text read for tool calls: each token's text in, that token's delta out."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self._stream = ToolCallStream(names)
+
+    def delta(self, step: _Step) -> Json:
+        deltas = self._stream.feed(step.text)
+        if step.finish_reason is not None:
+            deltas += self._stream.finish()
+        delta: Json = {}
+        content = "".join(str(d["content"]) for d in deltas if "content" in d)
+        calls = [call for d in deltas for call in d.get("tool_calls", [])]  # type: ignore[attr-defined]
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
+
+    def finish_reason(self, finish_reason: str) -> str:
+        return _tool_finish(finish_reason) if self._stream.calls_made else finish_reason
 
 
 def _sse(payload: Json) -> bytes:
@@ -422,7 +461,8 @@ class OpenAIHandlers:
         handoff = generation.run.handoff
         pdd = {**generation.summary(), "handoff": None if handoff is None else _handoff_json(handoff)}
         body = shapes.completion("".join(s.text for s in steps), steps, step.finish_reason,
-                                 self._usage_of(parsed, generation), pdd)
+                                 self._usage_of(parsed, generation), pdd,
+                                 parsed.tools.names if parsed.reads_tool_calls and parsed.tools else frozenset())
         return _json_response(body, headers={"X-Request-Id": generation.run.request_id})
 
     async def _stream(self, request: web.Request, parsed: ParsedRequest, generation: _Generation,
@@ -431,15 +471,18 @@ class OpenAIHandlers:
         response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
             "X-Request-Id": run.request_id})
+        tool_deltas = _ToolDeltas(parsed.tools.names) if parsed.reads_tool_calls and parsed.tools else None
         try:
             await response.prepare(request)
             try:
                 while True:
                     step = await generation.next_step()
-                    await _send(response, _sse(shapes.token_chunk(step, run.pipeline)))
+                    delta = None if tool_deltas is None else tool_deltas.delta(step)
+                    await _send(response, _sse(shapes.token_chunk(step, run.pipeline, delta)))
                     if step.finish_reason is not None:
                         break
-                await _send(response, _sse(shapes.final_chunk(step.finish_reason, generation.summary(),
+                finish_reason = step.finish_reason if tool_deltas is None else tool_deltas.finish_reason(step.finish_reason)
+                await _send(response, _sse(shapes.final_chunk(finish_reason, generation.summary(),
                                                               generation.take_handoff())))
                 if shapes.include_usage:
                     await _send(response, _sse(shapes.usage_chunk(self._usage_of(parsed, generation))))

@@ -14,8 +14,15 @@ from typing import TYPE_CHECKING
 import jinja2
 import orjson
 
+from services.gateway.http.tool_calls import (
+    ToolRequest,
+    parse_tool_request,
+    render_chat,
+    template_takes_tools,
+)
 from shared.config import GatewayConfig
-from shared.errors import BadRequest
+from shared.errors import BadRequest, InvalidParam
+from shared.grammar import Constraint, constraint_for_response_format
 from shared.names import FailurePolicy, HandoffMode, Pipeline, choices
 from shared.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -34,20 +41,11 @@ MAX_COMPLETION_LOGPROBS = 5  # completions' `logprobs`: OpenAI's limit (chat's t
 # that ask for nothing (None, or the field's default). Any other value is refused with a 400 naming
 # the field: a client must never get prose where it asked for a tool call, JSON or logprobs.
 NOT_HONOURED: dict[str, tuple[object, ...]] = {
-    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "response_format": ({"type": "text"},), "echo": (False,),
+    "functions": ([],), "function_call": ("none",), "echo": (False,),
     "suffix": ("",), "best_of": (1,), "prompt_logprobs": (0,), "prediction": (),
     "audio": (), "modalities": (["text"],), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
 }
-
-
-class InvalidParam(BadRequest):
-    """A bad value in one named request field; OpenAI clients show the field as `param`."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class ModelNotFound(InvalidParam):
@@ -72,6 +70,12 @@ class ParsedRequest:
     md_kv_delay_s: float
     handoff_mode: HandoffMode | None = None
     failure_policy: FailurePolicy | None = None
+    tools: ToolRequest | None = None  # chat: the tools offered and tool_choice; the answer may hold calls
+
+    @property
+    def reads_tool_calls(self) -> bool:
+        """The answer's text is read for tool calls (tools offered and tool_choice not "none")."""
+        return self.tools is not None and bool(self.tools.names)
 
 
 def decode_json_body(raw: bytes, max_body_bytes: int) -> object:
@@ -104,8 +108,10 @@ def check_prompt_bytes(body: object, kind: str, max_bytes: int) -> None:
 def parse_chat_request(body: object, tokenizer: PreTrainedTokenizerBase, served_model: str,
                        config: GatewayConfig, max_context_tokens: int) -> ParsedRequest:
     fields = _request_object(body, served_model)
-    prompt_ids = _chat_prompt_ids(fields.get("messages"), tokenizer)
-    return _parse_generation(fields, "chat", prompt_ids, tokenizer, config, max_context_tokens)
+    tools = parse_tool_request(fields.get("tools"), fields.get("tool_choice"),
+                               parallel=_bool(fields, "parallel_tool_calls", default=True))
+    prompt_ids = _chat_prompt_ids(fields.get("messages"), tools, tokenizer)
+    return _parse_generation(fields, "chat", prompt_ids, tokenizer, config, max_context_tokens, tools)
 
 
 def parse_completion_request(body: object, tokenizer: PreTrainedTokenizerBase, served_model: str,
@@ -149,12 +155,13 @@ def _spelled(neutral: tuple[object, ...]) -> str:
     return " or ".join(["null", *(orjson.dumps(n).decode() for n in neutral)])
 
 
-def _chat_prompt_ids(messages: object, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def _chat_prompt_ids(messages: object, tools: ToolRequest | None, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise InvalidParam("messages", "messages must be a non-empty list of {role, content} objects")
-    conversation = [_chat_message(message, i) for i, message in enumerate(messages)]
+    prompt = render_chat(messages, tools, native=template_takes_tools(tokenizer), text_message=_chat_message)
     try:
-        encoded = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        encoded = tokenizer.apply_chat_template(prompt.messages, tools=prompt.tools, add_generation_prompt=True,
+                                                tokenize=True)
     except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
         raise InvalidParam("messages", f"the model's chat template cannot render these messages: {exc}") from None
     return _input_ids(encoded)
@@ -166,14 +173,11 @@ def _chat_message(message: object, i: int) -> dict[str, str]:
     role = message.get("role")
     if not isinstance(role, str) or not role:
         raise InvalidParam(f"messages[{i}].role", f"messages[{i}].role must be a non-empty string")
-    if role in ("tool", "function"):
-        raise InvalidParam(f"messages[{i}].role", f"messages[{i}]: {role} messages need tool calling, which this "
-                                                  "server does not support yet")
+    if role == "function":
+        raise InvalidParam(f"messages[{i}].role", f"messages[{i}]: function messages belong to the deprecated "
+                                                  "function calling; send tool messages instead")
     if role not in CHAT_ROLES:
-        raise InvalidParam(f"messages[{i}].role", f"messages[{i}].role must be one of {list(CHAT_ROLES)}")
-    if message.get("tool_calls") not in (None, []):
-        raise InvalidParam(f"messages[{i}].tool_calls", f"messages[{i}].tool_calls: tool calling is not "
-                                                        "supported by this server yet")
+        raise InvalidParam(f"messages[{i}].role", f"messages[{i}].role must be one of {[*CHAT_ROLES, 'tool']}")
     content = message.get("content")
     if content is None and role == "assistant":  # an empty assistant turn
         return {"role": role, "content": ""}
@@ -216,7 +220,7 @@ def _completion_prompt_ids(prompt: object, tokenizer: PreTrainedTokenizerBase) -
 
 def _parse_generation(fields: Mapping[str, object], kind: str, prompt_ids: list[int],
                       tokenizer: PreTrainedTokenizerBase, config: GatewayConfig,
-                      max_context_tokens: int) -> ParsedRequest:
+                      max_context_tokens: int, tools: ToolRequest | None = None) -> ParsedRequest:
     prompt_param = "messages" if kind == "chat" else "prompt"
     if not prompt_ids:
         raise InvalidParam(prompt_param, "the prompt is empty")
@@ -241,6 +245,13 @@ def _parse_generation(fields: Mapping[str, object], kind: str, prompt_ids: list[
     min_tokens = _int(fields, "min_tokens", minimum=0) or 0
     if min_tokens > max_tokens:
         raise InvalidParam("min_tokens", f"min_tokens={min_tokens} is more than max_tokens={max_tokens}")
+    constraint = _constraint(fields, tools)
+    ignore_eos = _bool(fields, "ignore_eos")
+    if constraint is not None and (min_tokens or ignore_eos):
+        # a finished grammar allows only EOS: holding it back would leave no token to pick
+        name = "min_tokens" if min_tokens else "ignore_eos"
+        raise InvalidParam(name, f"{name} cannot be combined with response_format or a forced tool call: the "
+                                 "answer ends when its grammar is complete")
     repetition_penalty = _number(fields, "repetition_penalty")
     if repetition_penalty is not None and repetition_penalty <= 0.0:
         raise InvalidParam("repetition_penalty", "repetition_penalty must be greater than 0")
@@ -253,7 +264,7 @@ def _parse_generation(fields: Mapping[str, object], kind: str, prompt_ids: list[
         seed=secrets.randbits(63) if seed is None else seed,
         eos_token_ids=() if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),),
         stop_token_ids=_stop_token_ids(fields.get("stop_token_ids"), len(tokenizer)),
-        ignore_eos=_bool(fields, "ignore_eos"),
+        ignore_eos=ignore_eos,
         min_tokens=min_tokens,
         presence_penalty=_ranged(fields, "presence_penalty", -MAX_PENALTY, MAX_PENALTY) or 0.0,
         frequency_penalty=_ranged(fields, "frequency_penalty", -MAX_PENALTY, MAX_PENALTY) or 0.0,
@@ -261,14 +272,25 @@ def _parse_generation(fields: Mapping[str, object], kind: str, prompt_ids: list[
         logit_bias=_logit_bias(fields.get("logit_bias"), len(tokenizer)),
         min_p=_ranged(fields, "min_p", 0.0, 1.0) or 0.0,
         logprobs=_chat_logprobs(fields) if kind == "chat" else _completion_logprobs(fields),
+        constraint=None if constraint is None else constraint.to_dict(),
     )
     return ParsedRequest(
         kind=kind, prompt_ids=tuple(prompt_ids), sampling=sampling, stop=_stop_strings(fields.get("stop")),
         include_stop=_bool(fields, "include_stop_str_in_output"),
         stream=stream, include_usage=stream and _bool(stream_options, "include_usage", "stream_options."),
         pipeline=pipeline, handoff_at=handoff_at, md_kv_delay_s=md_kv_delay_s, handoff_mode=handoff_mode,
-        failure_policy=failure_policy,
+        failure_policy=failure_policy, tools=tools,
     )
+
+
+def _constraint(fields: Mapping[str, object], tools: ToolRequest | None) -> Constraint | None:
+    """The grammar the answer must follow: a forced tool call's, or response_format's."""
+    response_format = fields.get("response_format")
+    from_format = None if response_format is None else constraint_for_response_format(response_format)
+    if from_format is not None and tools is not None and tools.names:
+        raise InvalidParam("response_format", "response_format cannot be combined with tools unless tool_choice "
+                                              "is 'none'")
+    return tools.constraint if tools is not None and tools.constraint is not None else from_format
 
 
 def _max_tokens(fields: Mapping[str, object], prompt_tokens: int, config: GatewayConfig,
@@ -410,10 +432,10 @@ def _ranged(fields: Mapping[str, object], name: str, low: float, high: float) ->
     return number
 
 
-def _bool(fields: Mapping[str, object], name: str, prefix: str = "") -> bool:
+def _bool(fields: Mapping[str, object], name: str, prefix: str = "", default: bool = False) -> bool:
     value = fields.get(name)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
         raise InvalidParam(prefix + name, f"{prefix}{name} must be true or false")
     return value

@@ -74,8 +74,9 @@ class ToolRequest:
 
 # ---- the request: tools and tool_choice ----
 
-def parse_tool_request(tools: object, tool_choice: object) -> ToolRequest | None:
-    """OpenAI's `tools` and `tool_choice`; None when there are no tools (and no choice that needs one)."""
+def parse_tool_request(tools: object, tool_choice: object, *, parallel: bool = True) -> ToolRequest | None:
+    """OpenAI's `tools` and `tool_choice`; None when there are no tools (and no choice that needs one).
+    `parallel` (parallel_tool_calls): "required" may make several calls; false: exactly one."""
     parsed = _tools(tools)
     if not parsed:
         if tool_choice in (None, "none", "auto"):
@@ -84,7 +85,8 @@ def parse_tool_request(tools: object, tool_choice: object) -> ToolRequest | None
     choice, name = _tool_choice(tool_choice, {t.name for t in parsed})
     constraint = None
     if choice in (ToolChoice.REQUIRED, ToolChoice.NAMED):
-        constraint = constraint_for_tool_calls({t.name: t.parameters for t in parsed}, only=name)
+        constraint = constraint_for_tool_calls({t.name: t.parameters for t in parsed}, only=name,
+                                               single=not parallel)
     return ToolRequest(parsed, choice, name, constraint)
 
 
