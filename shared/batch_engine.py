@@ -14,7 +14,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -23,7 +23,7 @@ from shared.config import EngineConfig
 from shared.errors import BadRequest, PddError
 from shared.grammar import Constraint, GrammarCompiler, GrammarDiverged, GrammarState
 from shared.model_runner import DecodeSequence, ModelRunner, PackedRow, SequenceKV
-from shared.sampling import sample_rows
+from shared.sampling import TokenLogprob, sample_rows, score_tokens
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -38,7 +38,16 @@ class NotAdmitted(PddError):
     code = "not_admitted"
 
 
-@dataclass
+@dataclass(frozen=True)
+class Scoring:
+    """Score fed tokens' successors (a prompt's logprobs): next_ids[i] is the token after feed_ids[i],
+    scored by the logits after feed_ids[i], with the top_n likeliest tokens there."""
+
+    next_ids: list[int]
+    top_n: int
+
+
+@dataclass(eq=False)  # by identity: a step's failed work is looked up by it
 class _Work:
     key: str
     feed_ids: list[int]
@@ -48,6 +57,8 @@ class _Work:
     fed: int = 0  # tokens of feed_ids already in the KV (work split across steps)
     submitted_ns: int = 0
     started_ns: int = 0  # when its first forward began
+    score: Scoring | None = None
+    scored: list[TokenLogprob] = field(default_factory=list)  # one per fed token so far, when scoring
 
     @property
     def left(self) -> int:
@@ -165,27 +176,32 @@ class BatchEngine:
         self._command(lambda: self._waiting.append(admission))
         return await future
 
-    def submit(self, key: str, feed_ids: list[int], sample: bool, return_kv: bool = False) -> asyncio.Future:
+    def submit(self, key: str, feed_ids: list[int], sample: bool, return_kv: bool = False,
+               score: Scoring | None = None) -> asyncio.Future:
         """Feed tokens to an admitted request's KV in the next steps.
 
         The future's result: (token, finish_reason) when `sample` (the token's logprobs, if asked for,
         are on the DecodeSequence: last_logprob), the fed positions' KV
-        [layers, 2, kv_heads, len(feed_ids), head_dim] on the CPU when `return_kv`, else None.
+        [layers, 2, kv_heads, len(feed_ids), head_dim] on the CPU when `return_kv`, else None; with
+        `score` (never beside `sample`), that and the fed positions' TokenLogprobs, as a pair.
         """
-        return self._submit(key, feed_ids, sample, return_kv).future
+        return self._submit(key, feed_ids, sample, return_kv, score).future
 
-    async def submit_timed(self, key: str, feed_ids: list[int], sample: bool,
-                           return_kv: bool = False) -> tuple[object, int, int]:
+    async def submit_timed(self, key: str, feed_ids: list[int], sample: bool, return_kv: bool = False,
+                           score: Scoring | None = None) -> tuple[object, int, int]:
         """As submit: the result, and when it was submitted and its first forward began (time.time_ns)."""
-        work = self._submit(key, feed_ids, sample, return_kv)
+        work = self._submit(key, feed_ids, sample, return_kv, score)
         result = await work.future
         return result, work.submitted_ns, work.started_ns
 
-    def _submit(self, key: str, feed_ids: list[int], sample: bool, return_kv: bool) -> _Work:
+    def _submit(self, key: str, feed_ids: list[int], sample: bool, return_kv: bool,
+                score: Scoring | None = None) -> _Work:
         if not feed_ids:
             raise ValueError("nothing to feed")
+        if score is not None and (sample or len(score.next_ids) != len(feed_ids)):
+            raise ValueError("scoring needs one next token per fed token, and no sampling")
         work = _Work(key, list(feed_ids), sample, return_kv, asyncio.get_running_loop().create_future(),
-                     submitted_ns=time.time_ns())
+                     submitted_ns=time.time_ns(), score=score)
         with self._cond:
             self._check_alive()
             self._incoming.append(work)
@@ -358,8 +374,9 @@ class BatchEngine:
 
     def _run(self, batch: list[tuple[_Work, int]]) -> None:
         """One packed forward over the batch; then sample, and settle the work that is complete."""
-        rows = [PackedRow(self._slots[w.key].kv, w.feed_ids[w.fed:w.fed + take], w.sample and take == w.left)
-                for w, take in batch]
+        rows = [PackedRow(self._slots[w.key].kv, w.feed_ids[w.fed:w.fed + take], w.sample and take == w.left,
+                          every_logit=w.score is not None) for w, take in batch]
+        scoring, sampling_rows = self._logit_rows(batch)
         started_ns = time.time_ns()
         for work, _ in batch:
             work.started_ns = work.started_ns or started_ns
@@ -374,20 +391,24 @@ class BatchEngine:
             self._work = [w for w in self._work if w.left]
             return
         self._expected = set()
+        failed = self._score(scoring, logits)
         for work, take in batch:
             work.fed += take
-        # logits has one row per row that wanted them, in batch order: exactly the sampling work now complete
+        # sampling_rows: the logits of the sampling work now complete, in batch order
         sampled = [w for w, _ in batch if w.sample and not w.left]
         try:
-            settled = self._sample(sampled, logits)
+            settled = self._sample(sampled, logits if not scoring else logits[sampling_rows])
         except Exception as exc:  # a bug in one option must not stop the engine: this step's rows fail
             log.exception("sampling %d requests failed", len(sampled))
             settled = [(work.future, None, exc) for work in sampled]
         for work, _ in batch:
-            if not work.left and not work.sample:
+            if work in failed:
+                work.fed = len(work.feed_ids)
+                settled.append((work.future, None, failed[work]))
+            elif not work.left and not work.sample:
                 kv = self._slots[work.key].kv
                 result = kv.slice(kv.length - len(work.feed_ids), kv.length).to("cpu") if work.return_kv else None
-                settled.append((work.future, result, None))
+                settled.append((work.future, result if work.score is None else (result, work.scored), None))
         self._work = [w for w in self._work if w.left]
         self.forward_s += time.perf_counter() - t0
         self.steps += 1
@@ -395,6 +416,33 @@ class BatchEngine:
         self.batch_sizes.append(len(batch))
         for future, result, exc in settled:
             _notify(future, result, exc)
+
+    @staticmethod
+    def _logit_rows(batch: list[tuple[_Work, int]]) -> tuple[list[tuple[_Work, int, int]], list[int]]:
+        """Where each work's logits will be: (scoring work, its first row, rows) and the sampling rows."""
+        scoring: list[tuple[_Work, int, int]] = []
+        sampling: list[int] = []
+        at = 0
+        for work, take in batch:
+            if work.score is not None:
+                scoring.append((work, at, take))
+                at += take
+            elif work.sample and take == work.left:
+                sampling.append(at)
+                at += 1
+        return scoring, sampling
+
+    def _score(self, scoring: list[tuple[_Work, int, int]], logits: torch.Tensor) -> dict[_Work, Exception]:
+        """Append each scoring work's logprobs for this step's tokens (before `fed` moves past them)."""
+        failed: dict[_Work, Exception] = {}
+        for work, first, rows in scoring:
+            try:
+                work.scored += score_tokens(logits[first:first + rows],
+                                            work.score.next_ids[work.fed:work.fed + rows], work.score.top_n)
+            except Exception as exc:  # this request fails; the others in the step go on
+                log.exception("scoring %s failed", work.key)
+                failed[work] = exc
+        return failed
 
     def _sample(self, sampled: list[_Work], logits: torch.Tensor) -> list[tuple[asyncio.Future, object,
                                                                                  BaseException | None]]:

@@ -130,7 +130,8 @@ class PackedRow:
 
     kv: SequenceKV
     token_ids: list[int]
-    want_logits: bool
+    want_logits: bool  # the logits after its last token (to sample from)
+    every_logit: bool = False  # the logits after each of its tokens (a prompt's logprobs)
 
 
 @dataclass
@@ -232,7 +233,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_packed(self, rows: list[PackedRow]) -> torch.Tensor:
-        """Append each row's tokens to its KV in one forward; logits [rows wanting them, vocab], in row order."""
+        """Append each row's tokens to its KV in one forward; logits [kept positions, vocab] in row order:
+        one per row that wants them, one per token of an every_logit row."""
         ids: list[int] = []
         positions: list[int] = []
         offsets: list[int] = []
@@ -246,7 +248,9 @@ class ModelRunner:
             ids += row.token_ids
             positions += range(row.kv.length, row.kv.length + n)
             masks.append(_causal_mask(row.kv.length, n, self.device))
-            if row.want_logits:
+            if row.every_logit:
+                keep += range(len(ids) - n, len(ids))
+            elif row.want_logits:
                 keep.append(len(ids) - 1)
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)

@@ -268,3 +268,20 @@ def _logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow], tokens: Sequenc
         n = rows[i].params.logprobs
         found[i] = TokenLogprob(chosen[k], tuple(zip(top_ids[k][:n], top_values[k][:n])))
     return found
+
+
+def score_tokens(logits: torch.Tensor, token_ids: Sequence[int], top_n: int,
+                 rows_per_slice: int = 128) -> list[TokenLogprob]:
+    """Row i's logprob of token_ids[i] under the raw logits [rows, vocab], and its top_n likeliest
+    (a prompt's logprobs: row i is the position before token_ids[i]). A slice of rows at a time, so a
+    long chunk never holds a second [rows, vocab] copy in float32."""
+    scored: list[TokenLogprob] = []
+    for first in range(0, len(token_ids), rows_per_slice):
+        raw = logits[first:first + rows_per_slice].float()
+        normalizer = torch.logsumexp(raw, dim=-1, keepdim=True)
+        ids = torch.tensor(list(token_ids[first:first + rows_per_slice]), device=raw.device).unsqueeze(1)
+        chosen = (raw.gather(1, ids) - normalizer).clamp_min(MIN_LOGPROB).squeeze(1).tolist()
+        top_values, top_ids = raw.topk(top_n, dim=-1) if top_n else (raw[:, :0], raw[:, :0].long())
+        top_values, top_ids = (top_values - normalizer).clamp_min(MIN_LOGPROB).tolist(), top_ids.tolist()
+        scored += [TokenLogprob(value, tuple(zip(top_ids[k], top_values[k]))) for k, value in enumerate(chosen)]
+    return scored

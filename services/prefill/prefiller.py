@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.batch_engine import BatchEngine
+from shared.batch_engine import BatchEngine, Scoring
+from shared.sampling import TokenLogprob
 
 
 def chunk_ranges(n_tokens: int, chunk_tokens: int, start: int = 0) -> list[tuple[int, int]]:
@@ -41,6 +42,17 @@ class Prefiller:
         chunk was submitted and its forward began (time.time_ns)."""
         start, end = chunk
         return await self.engine.submit_timed(request_id, token_ids[start:end], sample=False, return_kv=True)
+
+    async def compute_scored_chunk(self, request_id: str, prompt_ids: list[int], chunk: tuple[int, int],
+                                   top_n: int) -> tuple[torch.Tensor, list[TokenLogprob], int, int]:
+        """As compute_chunk, and the logprobs of prompt tokens start+1..end, each given the tokens before
+        it, with the top_n likeliest there: the logits after position i score token i+1, so the last
+        chunk (which ends before the prompt's last token) scores the whole prompt but its first token."""
+        start, end = chunk
+        (kv, logprobs), submitted_ns, started_ns = await self.engine.submit_timed(
+            request_id, prompt_ids[start:end], sample=False, return_kv=True,
+            score=Scoring(prompt_ids[start + 1:end + 1], top_n))
+        return kv, logprobs, submitted_ns, started_ns
 
     def release(self, request_id: str) -> None:
         self.engine.release(request_id)
