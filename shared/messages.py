@@ -84,6 +84,18 @@ class PrefillRequest:
     targets: list[KVTarget]
     deadline_s: float
     trace_context: dict[str, str] = field(default_factory=dict)
+    prompt_logprobs: int | None = None  # N: P computes the whole prompt (no cache hit) and publishes
+    # PromptLogprobs with the N likeliest tokens at each position; with no targets, P serves it alone
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """P to the request's event subject, once per computed chunk: the logprobs of prompt tokens
+    start..start+len-1, each given the tokens before it (the first prompt token has none)."""
+
+    request_id: str
+    start: int
+    logprobs: list[TokenLogprob]
 
 
 @dataclass(frozen=True)
@@ -222,7 +234,7 @@ class ErrorReply:
 MESSAGE_TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
-        Heartbeat, DecodeAssign, DecodeAccepted, PrefillRequest, PrefillAccepted, PrefillDone,
+        Heartbeat, DecodeAssign, DecodeAccepted, PrefillRequest, PromptLogprobs, PrefillAccepted, PrefillDone,
         KVReady, Handoff, TokenChunk, KVReceived, HandoffStats, CacheEvents, RequestFailed, MainLost, Abort,
         ReleaseKV, ErrorReply,
     )

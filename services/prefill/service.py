@@ -24,7 +24,7 @@ from shared.kv_transfer import KVSender, OutgoingTransfer, TransferResult, Trans
 from shared.kv_wire import DTYPE_NAMES
 from shared.metrics import PrefillMetrics, serve as serve_metrics
 from shared.messages import (Abort, CacheEvents, Heartbeat, PrefillAccepted, PrefillDone, PrefillRequest,
-                             ReleaseKV, RequestFailed)
+                             PromptLogprobs, ReleaseKV, RequestFailed)
 from shared.model_runner import ModelRunner
 from shared.models import kv_layout, load_model, resolve_model
 from shared.names import AbortReason, Role
@@ -110,11 +110,13 @@ class PrefillService:
         except PddError as exc:
             await bus.reply_error(msg, exc)
             return
-        if not req.targets:  # a warm-up: nobody waits for an answer
+        if not req.targets and req.prompt_logprobs is None:  # a warm-up: nobody waits for an answer
             if self.cache is not None:
                 await self._start_warm(req)
             return
-        prefix = await self.cache.call(self.cache.tree.lock, req.prompt_ids[:-1]) if self.cache is not None else None
+        # the prompt's logprobs need the logits of every position: a cache hit would skip them
+        cached = self.cache is not None and req.prompt_logprobs is None
+        prefix = await self.cache.call(self.cache.tree.lock, req.prompt_ids[:-1]) if cached else None
         job = PrefillJob(req, prefix, tracing.extract(msg.headers))
         self.metrics.prompt_tokens.inc(job.prompt_kv_tokens)
         self.metrics.cache_hit_tokens.inc(job.cached_tokens)
@@ -249,8 +251,13 @@ class PrefillService:
                 for chunk in chunk_ranges(len(kv_ids), self.config.chunk_tokens, start=hit):
                     with self.tracer.start_as_current_span("prefill.chunk") as chunk_span:
                         chunk_span.set_attributes({"pdd.token_start": chunk[0], "pdd.token_end": chunk[1]})
-                        kv, submitted_ns, started_ns = await self.prefiller.compute_chunk(
-                            req.request_id, kv_ids, chunk)
+                        if req.prompt_logprobs is None:
+                            kv, submitted_ns, started_ns = await self.prefiller.compute_chunk(
+                                req.request_id, kv_ids, chunk)
+                        else:
+                            kv, logprobs, submitted_ns, started_ns = await self.prefiller.compute_scored_chunk(
+                                req.request_id, req.prompt_ids, chunk, req.prompt_logprobs)
+                            await bus.publish(self.nc, events, PromptLogprobs(req.request_id, chunk[0] + 1, logprobs))
                         chunk_span.set_attribute("pdd.queue_s", (started_ns - submitted_ns) / 1e9)
                     if chunk[0] == hit:  # the first chunk's wait for the engine is the request's queueing
                         tracing.record_span(self.tracer, "prefill.queue", submitted_ns, started_ns,
