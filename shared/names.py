@@ -19,6 +19,7 @@ class Pipeline(enum.StrEnum):
     P_MD = "p-md"
     P_RLD_MD = "p-rld-md"
     P_RLD = "p-rld"  # never planned: RLD finishes alone (MD lost, or none reachable)
+    P = "p"  # P alone: a prompt's logprobs and no output token (completions echo with max_tokens 0)
 
     @classmethod
     def requestable(cls) -> tuple[Pipeline, ...]:
@@ -27,11 +28,11 @@ class Pipeline(enum.StrEnum):
 
     @property
     def uses_relay(self) -> bool:
-        return self is not Pipeline.P_MD
+        return self in (Pipeline.P_RLD_MD, Pipeline.P_RLD)
 
     @property
     def uses_main(self) -> bool:
-        return self is not Pipeline.P_RLD
+        return self in (Pipeline.P_MD, Pipeline.P_RLD_MD)
 
 
 AUTO = "auto"  # a flag value: the policy chooses (pipeline) or RLD's load does (handoff mode)

@@ -47,8 +47,8 @@ class SamplingParams:
     constraint: dict[str, str] | None = None  # shared.grammar.Constraint.to_dict(): the output's grammar
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise BadRequest("max_tokens must be at least 1")
+        if self.max_tokens < 0:  # 0: no output token, the prompt's logprobs alone (served by P, never decoded)
+            raise BadRequest("max_tokens must be 0 or more")
         if not 0.0 <= self.temperature <= 100.0:
             raise BadRequest("temperature must be between 0 and 100")
         if not 0.0 < self.top_p <= 1.0:

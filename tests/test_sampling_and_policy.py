@@ -55,7 +55,7 @@ def test_min_tokens_keeps_ending_tokens_out_of_early_positions_whatever_the_batc
     assert sample_tokens(logits[:1], [ignoring], [3]) == [2]  # EOS ends nothing then: not held back
 
 
-@pytest.mark.parametrize("kwargs", [{"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_k": -2},
+@pytest.mark.parametrize("kwargs", [{"max_tokens": -1}, {"temperature": -1}, {"top_p": 0}, {"top_k": -2},
                                     {"min_tokens": -1}])
 def test_bad_sampling_parameters_are_refused(kwargs: dict) -> None:
     with pytest.raises(BadRequest):

@@ -253,6 +253,8 @@ class Dispatcher:
 
     async def _dispatch_once(self, req: GenerationRequest, output_offset: int, avoid: set[str],
                              on_event: Callable[[Msg], Awaitable[None]]) -> Attempt:
+        if req.prefill_only:
+            return await self._dispatch_prefill_only(req, avoid, on_event)
         policy_started_ns = time.time_ns()
         decision, chosen = self._plan(req, avoid)
         pipeline = decision.pipeline
@@ -279,13 +281,34 @@ class Dispatcher:
                                     held=role is Role.MAIN and decision.hold_main_kv)
                            for (role, _), acc in zip(decoders, accepted)]
                 prefill_accepted = await self._call(Role.PREFILL, chosen[Role.PREFILL], PrefillRequest(
-                    req.request_id, req.prompt_ids, targets, self.config.request_timeout_s), headers)
+                    req.request_id, req.prompt_ids, targets, self.config.request_timeout_s,
+                    prompt_logprobs=req.prompt_logprobs), headers)
                 attempt.cached_tokens = prefill_accepted.cached_tokens
                 attempt.main_cached_tokens = accepted[0].cached_tokens if Role.MAIN in chosen else 0
                 span.set_attributes({"pdd.prefill_cached_tokens": attempt.cached_tokens,
                                      "pdd.main_cached_tokens": attempt.main_cached_tokens})
         except BaseException:
             await self.stop_attempt(attempt, "dispatch failed")  # whoever accepted drops it
+            raise
+        return attempt
+
+    async def _dispatch_prefill_only(self, req: GenerationRequest, avoid: set[str],
+                                     on_event: Callable[[Msg], Awaitable[None]]) -> Attempt:
+        """P alone (max_tokens 0): no decoder, no KV path; P's PrefillDone ends the request. The least
+        loaded P: its cache would not help, since P computes the whole prompt for its logprobs."""
+        prefill = self.registry.pick(Role.PREFILL, avoid=avoid)
+        attempt = Attempt(req, 0, Pipeline.P, None, {Role.PREFILL: prefill.heartbeat.instance_id})
+        self.active[req.request_id] = (attempt, on_event)
+        try:
+            with self.tracer.start_as_current_span("gateway.dispatch") as span:
+                span.set_attributes({"pdd.request_id": req.request_id, "pdd.pipeline": Pipeline.P,
+                                     "pdd.prompt_tokens": len(req.prompt_ids),
+                                     "pdd.instance.prefill": prefill.heartbeat.instance_id})
+                await self._call(Role.PREFILL, prefill, PrefillRequest(
+                    req.request_id, req.prompt_ids, [], self.config.request_timeout_s,
+                    prompt_logprobs=req.prompt_logprobs), tracing.inject())
+        except BaseException:
+            await self.stop_attempt(attempt, "dispatch failed")
             raise
         return attempt
 

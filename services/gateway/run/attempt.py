@@ -4,7 +4,8 @@ A request is served by one attempt at a time: the first, or a migration after a 
 An attempt moves through these phases (`Attempt.move` refuses any other move):
 
 1. DISPATCHED: the decoders accepted it and P is prefilling; the first decoder streams as soon
-   as its KV lands (RLD in P-RLD-MD and P-RLD, MD in P-MD).
+   as its KV lands (RLD in P-RLD-MD and P-RLD, MD in P-MD). P alone (max_tokens 0): P scores the
+   prompt, and its PrefillDone ends the request.
 2. P-RLD-MD only, one of:
    CUT: MD took over from RLD (its HandoffStats, its first token, or the gateway's own final
    handoff after RLD was lost); RLD's loss changes nothing from here.
@@ -57,6 +58,12 @@ class GenerationRequest:
     failure_policy: FailurePolicy | None = None  # None: the gateway's --failure-policy
     deadline_at: float | None = None  # time.monotonic() the request must end by (it may have queued at
     # admission); None: --request-timeout-s after its run starts
+    prompt_logprobs: int | None = None  # N: P scores the prompt (PromptLogprobs), with the N likeliest tokens
+
+    @property
+    def prefill_only(self) -> bool:
+        """No output token (max_tokens 0): the prompt's logprobs alone, served by P (Pipeline.P)."""
+        return self.sampling.max_tokens == 0
 
 
 @dataclass

@@ -16,7 +16,8 @@ The run decides the cut (MD took over from RLD) once: `cut_index`, the output in
 token, which the HTTP layer and the request telemetry read. The run's own lifecycle (RunPhase):
 
 1. RUNNING: tokens are merged as they come; a lost tier is recovered from.
-2. FINISHED: a finish reason was merged; or FAILED: a loss it cannot recover from, or a deadline.
+2. FINISHED: a finish reason was merged (P's PrefillDone, for P alone), and every prompt logprob
+   when the request asks for them; or FAILED: a loss it cannot recover from, or a deadline.
 3. CLOSED: its attempt is let go. A client that goes away closes a RUNNING run.
 """
 from __future__ import annotations
@@ -52,6 +53,7 @@ from shared.messages import (
     KVReceived,
     MainLost,
     PrefillDone,
+    PromptLogprobs,
     RequestFailed,
     TokenChunk,
 )
@@ -140,6 +142,9 @@ class RequestRun:
         self.trace_id = tracing.current_trace_id()  # the response names it, to find the trace on /dashboard
         self._events: asyncio.Queue = asyncio.Queue()
         self._pending: dict[int, TokenEvent] = {}  # arrived ahead of a gap, by absolute index
+        # the prompt's logprobs by position (the first has none), when asked: P's PromptLogprobs fill them
+        self._prompt_logprobs: list[TokenLogprob | None] = [None] * len(req.prompt_ids)
+        self._prompt_missing = len(req.prompt_ids) - 1 if req.prompt_logprobs is not None else 0
 
     # --- what the rest of the gateway reads ---------------------------------------------------
 
@@ -170,6 +175,14 @@ class RequestRun:
     def main_cached_tokens(self) -> int:
         return self.first.main_cached_tokens if self.first else 0
 
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """One entry per prompt token (None for the first), once P has sent them all; None before, or
+        when the request did not ask."""
+        if self.request.prompt_logprobs is None or self._prompt_missing:
+            return None
+        return list(self._prompt_logprobs)
+
     # --- lifecycle ------------------------------------------------------------------------------
 
     def _move(self, phase: RunPhase) -> None:
@@ -198,9 +211,11 @@ class RequestRun:
         return self.attempt.prefill is None and len(self.token_ids) <= self.attempt.output_offset
 
     async def tokens(self) -> AsyncIterator[TokenEvent]:
-        """Tokens in index order, each once; raises the failure of any tier it cannot recover from."""
+        """Tokens in index order, each once; raises the failure of any tier it cannot recover from.
+        When the request asks for its prompt's logprobs, the first token waits for all of them."""
         deadline = self.deadline_at
         last_event_at = next_check = time.monotonic()
+        held: list[TokenEvent] = []
         while self.phase is RunPhase.RUNNING:
             now = time.monotonic()
             if now >= deadline:
@@ -222,8 +237,11 @@ class RequestRun:
             if not self._is_current(event):
                 continue
             last_event_at = time.monotonic()
-            for token_event in await self.handle(event):
-                yield token_event
+            held += await self.handle(event)
+            if not self._prompt_missing:
+                for token_event in held:
+                    yield token_event
+                held.clear()
 
     def _is_current(self, event: object) -> bool:
         """From the attempt in flight (not one already let go), while the run is running."""
@@ -246,14 +264,36 @@ class RequestRun:
         elif isinstance(event, HandoffStats):
             self.handoff = self.handoff or event
             self._cut(attempt, attempt.output_offset + event.eager_tokens)
+        elif isinstance(event, PromptLogprobs):
+            self._take_prompt_logprobs(event)
         elif isinstance(event, PrefillDone):
             attempt.prefill = self.prefill = event
             if self._on_prefill is not None:
                 self._on_prefill(event)
+            if attempt.request.prefill_only:  # P's report follows its last PromptLogprobs (one publisher)
+                if self._prompt_missing:
+                    raise self._failed(ProtocolError(f"{self.request_id}: P finished without "
+                                                     f"{self._prompt_missing} of the prompt's logprobs"))
+                self._finish("length")
         elif isinstance(event, RequestFailed):
             await self._on_tier_lost(event.path or event.tier, f"{event.tier}: {event.message}", event.code,
                                      gone=False)
         return []
+
+    def _take_prompt_logprobs(self, event: PromptLogprobs) -> None:
+        """Positions past the request's own prompt (a migrated attempt's streamed tokens) are not prompt."""
+        for position, logprob in enumerate(event.logprobs, start=event.start):
+            if 0 < position < len(self._prompt_logprobs) and self._prompt_logprobs[position] is None:
+                self._prompt_logprobs[position] = logprob
+                self._prompt_missing -= 1
+        if not self._prompt_missing and self.finish_reason is not None and self.phase is RunPhase.RUNNING:
+            self._move(RunPhase.FINISHED)
+
+    def _finish(self, reason: str) -> None:
+        """The answer ended; the run too, unless the prompt's logprobs are still to come."""
+        self.finish_reason = reason
+        if not self._prompt_missing:
+            self._move(RunPhase.FINISHED)
 
     def _cut(self, attempt: Attempt, index: int) -> None:
         """MD took over from RLD at output `index`: the one place the cut is decided."""
@@ -277,15 +317,14 @@ class RequestRun:
                 self._pending[index] = TokenEvent(index, token, chunk.tier, chunk.finish_reason if last else None,
                                                   None if logprobs is None else logprobs[offset])
         ready = []
-        while self.phase is RunPhase.RUNNING and len(self.token_ids) in self._pending:
+        while self.finish_reason is None and len(self.token_ids) in self._pending:
             if self.first_token_at is None:
                 self.first_token_at = time.monotonic()
             token_event = self._pending.pop(len(self.token_ids))
             self.token_ids.append(token_event.token_id)
             ready.append(token_event)
             if token_event.finish_reason is not None:
-                self.finish_reason = token_event.finish_reason
-                self._move(RunPhase.FINISHED)
+                self._finish(token_event.finish_reason)
         return ready
 
     async def _check_instances(self) -> None:
@@ -349,7 +388,8 @@ class RequestRun:
         moved = dataclasses.replace(
             req, request_id=new_request_id(), prompt_ids=[*req.prompt_ids, *streamed],
             sampling=dataclasses.replace(req.sampling, max_tokens=req.sampling.max_tokens - len(streamed)),
-            pipeline=None, handoff_at=None, md_kv_delay_s=0.0, handoff_mode=None)
+            pipeline=None, handoff_at=None, md_kv_delay_s=0.0, handoff_mode=None,
+            prompt_logprobs=req.prompt_logprobs if self._prompt_missing else None)
         try:
             self.attempt = await self._start_attempt(moved, len(streamed), set(self.failed_on), self._on_event)
         except PddError as exc:
