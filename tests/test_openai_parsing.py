@@ -177,7 +177,7 @@ def test_bad_completion_prompts_are_refused(tokenizer, body):
 
 NOT_HONOURED_VALUES = {
     "functions": [{"name": "f"}], "function_call": "auto",
-    "echo": True, "suffix": "x", "best_of": 2, "prompt_logprobs": 1, "prediction": {"type": "content", "content": "x"}, "audio": {"voice": "x"},
+    "suffix": "x", "best_of": 2, "prompt_logprobs": 1, "prediction": {"type": "content", "content": "x"}, "audio": {"voice": "x"},
     "modalities": ["text", "audio"], "web_search_options": {}, "reasoning_effort": "low", "verbosity": "low", "guided_json": {},
     "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= 'a'", "structured_outputs": {"json": {}},
 }

@@ -8,6 +8,7 @@ import asyncio
 import random
 from types import SimpleNamespace
 
+import openai
 import pytest
 import torch
 
@@ -22,6 +23,8 @@ from shared.model_runner import DecodeSequence, ModelRunner
 from shared.models import load_model
 from shared.names import Pipeline, Role
 from shared.sampling import SamplingParams, TokenLogprob
+from tools.launcher import LocalStack
+from tools.stack_config import StackConfig
 
 TOLERANCE = 1e-4
 
@@ -167,3 +170,122 @@ async def test_the_answer_waits_for_the_prompts_last_logprobs():
     first = await waiting
     assert [first.token_id] + [t.token_id async for t in stream] == [7, 8]
     assert run.prompt_logprobs == [None, entry(1), entry(2), entry(3)] and run.phase is RunPhase.FINISHED
+
+
+# --- on a real stack, with the openai client ----------------------------------------------------------
+
+LONG_TEXT = "Evaluation harnesses score a continuation by the sum of its tokens' logprobs. " * 10
+
+
+@pytest.fixture(scope="module")
+async def stack(tmp_path_factory):
+    config = StackConfig(pipeline="p-rld-md", model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"),
+                         torch_threads=1, chunk_tokens=64, startup_timeout_s=120)
+    async with LocalStack(config) as running:
+        yield running
+
+
+@pytest.fixture
+async def client(stack):
+    client = openai.AsyncOpenAI(base_url=stack.api_url + "/v1", api_key="unused", max_retries=0)
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+def check_prompt_logprobs(logprobs, prompt_ids: list[int], tokenizer, model, top_n: int) -> None:
+    """OpenAI's shape (the first token's entries null) with transformers' numbers."""
+    assert logprobs.tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in prompt_ids]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    expected = reference(model, prompt_ids, top_n)
+    for i, (logprob, top_ids) in enumerate(expected, start=1):
+        assert logprobs.token_logprobs[i] == pytest.approx(logprob, abs=TOLERANCE), f"prompt token {i}"
+        top = logprobs.top_logprobs[i]
+        shown = {tokenizer.decode([t], skip_special_tokens=False) for t in top_ids} | {logprobs.tokens[i]}
+        assert set(top) == shown and top[logprobs.tokens[i]] == pytest.approx(logprob, abs=TOLERANCE)
+    offsets = logprobs.text_offset
+    assert offsets[0] == 0 and all(b - a == len(t) for a, b, t in zip(offsets, offsets[1:], logprobs.tokens))
+
+
+async def test_echo_with_max_tokens_0_gives_the_prompts_logprobs_from_p_alone(client, tiny_tokenizer, model):
+    text = "[p alone] " + LONG_TEXT  # more than two of P's 64-token chunks
+    prompt_ids = tiny_tokenizer(text)["input_ids"]
+    assert len(prompt_ids) > 2 * 64
+    result = await client.completions.create(model="tiny-llama", prompt=text, echo=True, max_tokens=0, logprobs=2)
+    choice = result.choices[0]
+    assert choice.text == text and choice.finish_reason == "length"
+    check_prompt_logprobs(choice.logprobs, prompt_ids, tiny_tokenizer, model, 2)
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (len(prompt_ids), 0)
+    pdd = result.model_extra["pdd"]
+    assert pdd["pipeline"] == "p" and set(pdd["instances"]) == {"prefill"}  # no decoder took part
+    assert pdd["prefill"]["computed_tokens"] == len(prompt_ids) - 1
+
+    streamed = [chunk async for chunk in await client.completions.create(
+        model="tiny-llama", prompt=prompt_ids, echo=True, max_tokens=0, logprobs=2, stream=True)]
+    assert len(streamed) == 1 and streamed[0].choices[0].text == tiny_tokenizer.decode(prompt_ids)
+    assert streamed[0].choices[0].logprobs.token_logprobs == choice.logprobs.token_logprobs
+
+
+async def test_a_prompt_whose_prefix_p_has_cached_is_scored_whole(client, tiny_tokenizer, model):
+    """P's cache holds the context (an answer to it was served), as it does when a harness scores many
+    continuations of one context: the logits of the cached positions are needed, so P computes them."""
+    context = "[cached] " + LONG_TEXT
+    warm = await client.completions.create(model="tiny-llama", prompt=context, max_tokens=2, temperature=0)
+    again = await client.completions.create(model="tiny-llama", prompt=context, max_tokens=2, temperature=0)
+    assert again.model_extra["pdd"]["cached_tokens"]["prefill"] > 64, "P's cache should hold the context"
+    assert warm.choices[0].text == again.choices[0].text
+    for text in (context, context + " And the continuation."):
+        prompt_ids = tiny_tokenizer(text)["input_ids"]
+        result = await client.completions.create(model="tiny-llama", prompt=text, echo=True, max_tokens=0,
+                                                 logprobs=1)
+        check_prompt_logprobs(result.choices[0].logprobs, prompt_ids, tiny_tokenizer, model, 1)
+        pdd = result.model_extra["pdd"]
+        assert pdd["cached_tokens"]["prefill"] == 0 and pdd["prefill"]["computed_tokens"] == len(prompt_ids) - 1
+
+
+@pytest.mark.parametrize("pipeline", ["p-md", "p-rld-md"])
+async def test_echo_with_an_answer_puts_the_prompt_and_its_logprobs_first(client, tiny_tokenizer, model, pipeline):
+    """lm-evaluation-harness scores with max_tokens 1 and echo: the prompt's part, then the answer's
+    own, as it comes without echo; streamed, the first chunk starts with the prompt."""
+    text = f"[echo {pipeline}] " + LONG_TEXT
+    prompt_ids = tiny_tokenizer(text)["input_ids"]
+    n = len(prompt_ids)
+    args = {"model": "tiny-llama", "prompt": text, "max_tokens": 3, "temperature": 0, "logprobs": 1,
+            "extra_body": {"pdd": {"pipeline": pipeline}}}
+    plain = (await client.completions.create(**args)).choices[0]
+    echoed = (await client.completions.create(**args, echo=True)).choices[0]
+    assert echoed.text == text + plain.text and echoed.finish_reason == plain.finish_reason == "length"
+    logprobs = echoed.logprobs
+    assert logprobs.tokens[n:] == plain.logprobs.tokens and len(logprobs.tokens) == n + 3
+    assert logprobs.token_logprobs[n:] == pytest.approx(plain.logprobs.token_logprobs, abs=TOLERANCE)
+    prompt_part = SimpleNamespace(**{key: value[:n] for key, value in logprobs.model_dump().items()})
+    check_prompt_logprobs(prompt_part, prompt_ids, tiny_tokenizer, model, 1)
+    offsets = logprobs.text_offset
+    assert all(b - a == len(t) for a, b, t in zip(offsets, offsets[1:], logprobs.tokens))
+
+    chunks = [chunk.choices[0] async for chunk in await client.completions.create(**args, echo=True, stream=True)]
+    chunks = [c for c in chunks if c.logprobs is not None]
+    assert chunks[0].text.startswith(text) and "".join(c.text for c in chunks) == echoed.text
+    assert [t for c in chunks for t in c.logprobs.tokens] == logprobs.tokens
+    assert [lp for c in chunks for lp in c.logprobs.token_logprobs] == logprobs.token_logprobs
+    assert [o for c in chunks for o in c.logprobs.text_offset] == offsets
+
+
+async def test_echo_without_logprobs_and_no_tokens_is_the_prompt(client):
+    result = await client.completions.create(model="tiny-llama", prompt="Just this.", echo=True, max_tokens=0)
+    assert result.choices[0].text == "Just this." and result.choices[0].logprobs is None
+    assert result.usage.completion_tokens == 0
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"prompt": "x", "max_tokens": 0, "echo": False, "logprobs": 1}, "max_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
+    ("completions", {"prompt": "x", "echo": "yes"}, "echo"),
+])
+async def test_a_bad_echo_or_max_tokens_is_refused_naming_it(stack, session, route, body, param):
+    async with session.post(f"{stack.api_url}/v1/{route}", json={"model": "tiny-llama", **body}) as response:
+        assert response.status == 400
+        assert (await response.json())["error"]["param"] == param

@@ -27,6 +27,7 @@ from services.gateway.http.body_reading import read_body
 from services.gateway.http.client_watch import ClientWatch, client_gone
 from services.gateway.http.detokenizer import OutputText, TokenStrings
 from services.gateway.http.http_errors import error_payload
+from services.gateway.http.prompt_echo import PromptEcho, PromptOnlyServer, echo_of
 from services.gateway.http.request_parsing import (
     ModelNotFound,
     ParsedRequest,
@@ -70,6 +71,7 @@ class _Step:
     finish_reason: str | None
     handoff: Json | None  # MD's handoff stats, on the step at the run's cut (if they are known by then)
     logprob: TokenLogprob | None = None  # when the request asks for logprobs
+    echo: PromptEcho | None = None  # the prompt, on the first step of a completion with echo: text is behind it
 
 
 class _ClientGone(Exception):
@@ -91,6 +93,8 @@ class _Generation:
         # a client's stop_token_ids are shown, as vLLM shows them (a special token's text is empty anyway)
         self._shown_stop_ids = frozenset(parsed.sampling.stop_token_ids) - frozenset(parsed.sampling.eos_token_ids)
         self._wants_logprobs = parsed.sampling.logprobs is not None
+        self._parsed = parsed
+        self._prompt_strings = TokenStrings(tokenizer) if parsed.echo is not None else None
         self._deadline = asyncio.get_running_loop().time() + config.request_timeout_s
         self._handoff_reported = False
         self.tokens_by_tier = {str(Role.RELAY): 0, str(Role.MAIN): 0}
@@ -123,7 +127,11 @@ class _Generation:
         handoff = self.take_handoff() if event.index == self.run.cut_index else None
         if self._wants_logprobs and event.logprob is None:
             raise ProtocolError(f"{self.run.request_id}: {event.tier} sent token {event.index} without its logprobs")
-        return _Step(event.index, event.token_id, event.tier, text, finish, handoff, event.logprob)
+        echo = None
+        if self._prompt_strings is not None and event.index == 0:  # the answer starts with the prompt
+            echo = await echo_of(self._parsed, self.run.prompt_logprobs, self._prompt_strings)
+            text = echo.text + text
+        return _Step(event.index, event.token_id, event.tier, text, finish, handoff, event.logprob, echo)
 
     def summary(self) -> Json:
         """The run's own summary plus what only the HTTP layer counts."""
@@ -201,12 +209,16 @@ class _Logprobs:
     def of(self, steps: list[_Step]) -> Json:
         if self._chat:
             return {"content": [self._chat_entry(step.token_id, step.logprob) for step in steps]}
+        echo = steps[0].echo.logprobs if steps and steps[0].echo is not None else None
+        if echo is not None:  # the prompt's entries first; the answer's strings count on after them
+            self._text_offset = steps[0].echo.text_offset_end
         tokens, offsets = [self._strings.text(step.token_id) for step in steps], []
         for token in tokens:
             offsets.append(self._text_offset)
             self._text_offset += len(token)
-        return {"tokens": tokens, "token_logprobs": [step.logprob.logprob for step in steps],
-                "top_logprobs": [self._alternatives(step) for step in steps], "text_offset": offsets}
+        shaped: Json = {"tokens": tokens, "token_logprobs": [step.logprob.logprob for step in steps],
+                        "top_logprobs": [self._alternatives(step) for step in steps], "text_offset": offsets}
+        return shaped if echo is None else {key: [*echo[key], *shaped[key]] for key in shaped}  # type: ignore[misc]
 
     def _chat_entry(self, token_id: int, logprob: TokenLogprob) -> Json:
         return {**self._token(token_id, logprob.logprob),
@@ -352,6 +364,8 @@ class OpenAIHandlers:
         self._max_context_tokens = max_context_tokens
         self._max_prompt_bytes = max_context_tokens * config.max_prompt_bytes_per_token
         self._token_strings = TokenStrings(tokenizer)
+        self._prompt_only = PromptOnlyServer(dispatcher, self._telemetry, self._token_strings, served_model,
+                                             SYSTEM_FINGERPRINT)
         # The chat template and the tokeniser run here, not on the event loop: a big prompt would
         # stall every stream (the fast tokeniser releases the GIL while it works). Each thread of the
         # pool tokenises serially and at a lower CPU priority, so a huge prompt cannot take the cores
@@ -406,6 +420,8 @@ class OpenAIHandlers:
         deadline_at = request.get(STARTED_AT, time.monotonic()) + self._config.request_timeout_s
         async with self._admission.slot(deadline_at, lambda: client_gone(request)) as queued_s:
             trace.get_current_span().set_attribute("pdd.queued_s", queued_s)
+            if parsed.sampling.max_tokens == 0:  # echo of the prompt alone: P scores it, nobody decodes
+                return await self._prompt_only.serve(request, parsed, deadline_at)
             return await self._serve_admitted(request, parsed, deadline_at)
 
     async def _serve_admitted(self, request: web.Request, parsed: ParsedRequest,
@@ -414,7 +430,8 @@ class OpenAIHandlers:
         run = await self._dispatcher.start(GenerationRequest(
             request_id=request_id, prompt_ids=list(parsed.prompt_ids), sampling=parsed.sampling,
             pipeline=parsed.pipeline, handoff_at=parsed.handoff_at, md_kv_delay_s=parsed.md_kv_delay_s,
-            handoff_mode=parsed.handoff_mode, failure_policy=parsed.failure_policy, deadline_at=deadline_at))
+            handoff_mode=parsed.handoff_mode, failure_policy=parsed.failure_policy, deadline_at=deadline_at,
+            prompt_logprobs=parsed.prompt_logprobs))
         log.info("%s: %s, %d prompt tokens, max_tokens %d, pipeline %s, stream %s", request_id, parsed.kind,
                  len(parsed.prompt_ids), parsed.sampling.max_tokens, run.pipeline, parsed.stream)
         generation = _Generation(run, parsed, self._tokenizer, self._config)

@@ -5,6 +5,7 @@ nothing of HTTP or of how the request is served.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 from collections.abc import Mapping
@@ -41,7 +42,7 @@ MAX_COMPLETION_LOGPROBS = 5  # completions' `logprobs`: OpenAI's limit (chat's t
 # that ask for nothing (None, or the field's default). Any other value is refused with a 400 naming
 # the field: a client must never get prose where it asked for a tool call, JSON or logprobs.
 NOT_HONOURED: dict[str, tuple[object, ...]] = {
-    "functions": ([],), "function_call": ("none",), "echo": (False,),
+    "functions": ([],), "function_call": ("none",),
     "suffix": ("",), "best_of": (1,), "prompt_logprobs": (0,), "prediction": (),
     "audio": (), "modalities": (["text"],), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
@@ -68,9 +69,15 @@ class ParsedRequest:
     pipeline: Pipeline | None
     handoff_at: int | None
     md_kv_delay_s: float
+    echo: str | None = None  # completions: the prompt's text, which the answer starts with (None: no echo)
     handoff_mode: HandoffMode | None = None
     failure_policy: FailurePolicy | None = None
     tools: ToolRequest | None = None  # chat: the tools offered and tool_choice; the answer may hold calls
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """Echo with logprobs N: P scores the prompt, with the N likeliest tokens at each position."""
+        return self.sampling.logprobs if self.echo is not None else None
 
     @property
     def reads_tool_calls(self) -> bool:
@@ -118,7 +125,13 @@ def parse_completion_request(body: object, tokenizer: PreTrainedTokenizerBase, s
                              config: GatewayConfig, max_context_tokens: int) -> ParsedRequest:
     fields = _request_object(body, served_model)
     prompt_ids = _completion_prompt_ids(fields.get("prompt"), tokenizer)
-    return _parse_generation(fields, "completion", prompt_ids, tokenizer, config, max_context_tokens)
+    parsed = _parse_generation(fields, "completion", prompt_ids, tokenizer, config, max_context_tokens)
+    if not _bool(fields, "echo"):
+        return parsed
+    prompt = fields["prompt"][0] if isinstance(fields["prompt"], list) and len(fields["prompt"]) == 1 \
+        and isinstance(fields["prompt"][0], (str, list)) else fields["prompt"]
+    text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)  # as vLLM echoes token ids
+    return dataclasses.replace(parsed, echo=text)
 
 
 def _request_object(body: object, served_model: str) -> Mapping[str, object]:
@@ -241,7 +254,9 @@ def _parse_generation(fields: Mapping[str, object], kind: str, prompt_ids: list[
     top_p = _number(fields, "top_p")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise InvalidParam("top_p", "top_p must be greater than 0 and at most 1")
-    max_tokens = _max_tokens(fields, len(prompt_ids), config, max_context_tokens)
+    if kind == "chat" and _bool(fields, "echo"):
+        raise InvalidParam("echo", "echo is a completions field; chat completions do not take it")
+    max_tokens = _max_tokens(fields, len(prompt_ids), config, max_context_tokens, zero_allowed=_bool(fields, "echo"))
     min_tokens = _int(fields, "min_tokens", minimum=0) or 0
     if min_tokens > max_tokens:
         raise InvalidParam("min_tokens", f"min_tokens={min_tokens} is more than max_tokens={max_tokens}")
@@ -294,9 +309,13 @@ def _constraint(fields: Mapping[str, object], tools: ToolRequest | None) -> Cons
 
 
 def _max_tokens(fields: Mapping[str, object], prompt_tokens: int, config: GatewayConfig,
-                max_context_tokens: int) -> int:
+                max_context_tokens: int, zero_allowed: bool = False) -> int:
+    """`zero_allowed` (completions with echo): 0 asks for the prompt alone, no output token."""
     name = "max_completion_tokens" if fields.get("max_completion_tokens") is not None else "max_tokens"
-    requested = _int(fields, name, minimum=1)
+    requested = _int(fields, name, minimum=0)
+    if requested == 0 and not zero_allowed:
+        raise InvalidParam(name, f"{name} must be at least 1 (0 only with echo: true, on completions: the "
+                                 "prompt and its logprobs alone)")
     room = max_context_tokens - prompt_tokens
     if requested is None:
         return max(1, min(config.default_max_tokens, room))
