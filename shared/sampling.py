@@ -144,6 +144,15 @@ class Sampled:
     logprob: TokenLogprob | None = None  # when the request asks for logprobs
 
 
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice `choice` of a request with n > 1: choice 0 keeps the request's seed, so
+    n=1 and the first of n choices give the same answer; the others draw apart, reproducibly."""
+    if choice == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:choice:{choice}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
 def _draw_seed(seed: int, token_index: int) -> int:
     digest = hashlib.blake2b(f"{seed}:{token_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)

@@ -145,7 +145,7 @@ def test_include_usage_only_counts_when_streaming(tokenizer):
     ({"messages": USER_HI, "max_tokens": 0}, "max_tokens"),
     ({"messages": USER_HI, "max_tokens": 1.5}, "max_tokens"),
     ({"messages": USER_HI, "max_completion_tokens": -1}, "max_completion_tokens"),
-    ({"messages": USER_HI, "n": 2}, "n"),
+    ({"messages": USER_HI, "n": 17}, "n"),
     ({"messages": USER_HI, "seed": 2**64}, "seed"),
     ({"messages": USER_HI, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": USER_HI, "stop": [""]}, "stop"),
@@ -864,3 +864,12 @@ async def test_a_tool_call_in_the_answer_comes_back_as_tool_calls_whole_and_stre
         [(0, "get_weather", {"city": "Paris"})]
     assert streamed[0].id.startswith("call_") and chunks[-1].choices[0].finish_reason == "tool_calls"
     assert plain.choices[0].message.content == text and not plain.choices[0].message.tool_calls
+
+
+def test_n_is_read_and_bounded(tokenizer):
+    assert completion(tokenizer, {"prompt": "x", "n": 4}).n == 4
+    for body in ({"prompt": "x", "n": 17}, {"prompt": "x", "n": 0},
+                 {"prompt": "x", "n": 2, "echo": True, "max_tokens": 0, "logprobs": 1}):
+        with pytest.raises(InvalidParam) as info:
+            completion(tokenizer, body)
+        assert info.value.param == "n"

@@ -247,3 +247,30 @@ async def test_a_sessions_next_turn_finds_the_answer_in_ps_cache(stack, session,
     second = await complete(session, stack, turn, 8, pipeline="p-md")
     assert second.summary["cached_tokens"]["prefill"] >= len(prompt) + 64 - 1, "the answer's first 64 tokens"
     assert second.token_ids == tiny_generate(turn, 8)
+
+
+async def test_n_choices_compute_the_prompt_once_and_draw_apart(stack, session, prompts, tiny_tokenizer):
+    """n=3: choice 0 is the n=1 answer; the others are sampled with seeds of their own, and start once
+    choice 0 has a token, so P takes the prompt from its prefix cache instead of computing it again."""
+    prompt_ids = fresh(tiny_tokenizer, "n choices", prompts[4])
+    args = {"model": "tiny-llama", "prompt": prompt_ids, "max_tokens": 12, "temperature": 1.0, "seed": 17,
+            "logprobs": 1, "extra_body": {"pdd": {"pipeline": "p-rld-md", "handoff_at": 3}}}
+    client = openai.AsyncOpenAI(base_url=stack.api_url + "/v1", api_key="unused", max_retries=0)
+    try:
+        three = await client.completions.create(**args, n=3)
+        stream = await client.completions.create(**args, n=3, stream=True)
+        chunks = [chunk async for chunk in stream]
+        one = await client.completions.create(**args)
+    finally:
+        await client.close()
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    texts = [c.text for c in three.choices]
+    assert len(set(texts)) == 3 and texts[0] == one.choices[0].text  # three seeds; the first is n=1's
+    assert three.usage.completion_tokens == 36 and three.usage.prompt_tokens == len(prompt_ids)
+    assert all(len(c.logprobs.tokens) == 12 for c in three.choices)
+    computed = [s["prefill"]["computed_tokens"] for s in three.model_extra["pdd"]["choices"]]
+    assert computed[0] > len(prompt_ids) // 2 and computed[1:] == [0, 0], computed  # P computed it once
+    streamed = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)]
+    assert streamed == texts  # the same seeds: the same answers, streamed
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"] * 3

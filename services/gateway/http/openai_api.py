@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,6 +45,7 @@ from shared.config import GatewayConfig
 from shared.errors import DeadlineExceeded, PddError, ProtocolError, RequestAborted
 from shared.metrics import GatewayMetrics
 from shared.names import Role
+from shared.sampling import choice_seed
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -244,6 +245,10 @@ class _Shapes:
     chat: bool
     include_usage: bool
     logprobs: _Logprobs | None = None  # when the request asks for them
+    index: int = 0  # the choice this object's choices are (n > 1)
+
+    def for_choice(self, index: int, logprobs: _Logprobs | None) -> _Shapes:
+        return dataclasses.replace(self, index=index, logprobs=logprobs)
 
     def _head(self, object_name: str) -> Json:
         return {"id": self.response_id, "object": object_name, "created": self.created, "model": self.model,
@@ -258,12 +263,12 @@ class _Shapes:
     def _choice(self, text: str, finish_reason: str | None, *, first: bool = False,
                 logprobs: Json | None = None, delta: Json | None = None) -> Json:
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         if delta is None:
             delta = {} if finish_reason is not None else {"content": text}
         if first:  # OpenAI's first chunk names the role beside the first token's text
             delta = {"role": "assistant", **delta}
-        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def _logprobs_of(self, steps: list[_Step]) -> Json | None:
         return None if self.logprobs is None else self.logprobs.of(steps)
@@ -288,23 +293,24 @@ class _Shapes:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"),
                 "choices": [], "usage": usage}
 
-    def completion(self, text: str, steps: list[_Step], finish_reason: str, usage: Json, pdd: Json,
-                   tool_names: frozenset[str] = frozenset()) -> Json:
-        """`tool_names`: the text is read for calls to these tools (chat with tools offered)."""
+    def choice(self, text: str, steps: list[_Step], finish_reason: str,
+               tool_names: frozenset[str] = frozenset()) -> Json:
+        """A whole choice. `tool_names`: the text is read for calls to these tools (chat with tools offered)."""
         logprobs = self._logprobs_of(steps)
-        if self.chat:
-            message: Json = {"role": "assistant", "content": text}
-            if tool_names:
-                answer = parse_answer(text, tool_names)
-                message["content"] = answer.content
-                if answer.tool_calls:
-                    message["tool_calls"] = answer.tool_calls
-                    finish_reason = _tool_finish(finish_reason)
-            choice: Json = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if not self.chat:
+            return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        message: Json = {"role": "assistant", "content": text}
+        if tool_names:
+            answer = parse_answer(text, tool_names)
+            message["content"] = answer.content
+            if answer.tool_calls:
+                message["tool_calls"] = answer.tool_calls
+                finish_reason = _tool_finish(finish_reason)
+        return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def completion(self, choices: list[Json], usage: Json, pdd: Json) -> Json:
         return {**self._head("chat.completion" if self.chat else "text_completion"),
-                "choices": [choice], "usage": usage, "pdd": pdd}
+                "choices": choices, "usage": usage, "pdd": pdd}
 
 
 def _tool_finish(finish_reason: str) -> str:
@@ -427,97 +433,190 @@ class OpenAIHandlers:
     async def _serve_admitted(self, request: web.Request, parsed: ParsedRequest,
                               deadline_at: float) -> web.StreamResponse:
         request_id = new_request_id()
-        run = await self._dispatcher.start(GenerationRequest(
-            request_id=request_id, prompt_ids=list(parsed.prompt_ids), sampling=parsed.sampling,
-            pipeline=parsed.pipeline, handoff_at=parsed.handoff_at, md_kv_delay_s=parsed.md_kv_delay_s,
-            handoff_mode=parsed.handoff_mode, failure_policy=parsed.failure_policy, deadline_at=deadline_at,
-            prompt_logprobs=parsed.prompt_logprobs))
-        log.info("%s: %s, %d prompt tokens, max_tokens %d, pipeline %s, stream %s", request_id, parsed.kind,
-                 len(parsed.prompt_ids), parsed.sampling.max_tokens, run.pipeline, parsed.stream)
-        generation = _Generation(run, parsed, self._tokenizer, self._config)
-        self._telemetry.started(generation)
         shapes = _Shapes(response_id=("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + request_id[4:],
                          created=int(time.time()), model=self._served_model, chat=parsed.kind == "chat",
-                         include_usage=parsed.include_usage,
-                         logprobs=None if parsed.sampling.logprobs is None else
-                         _Logprobs(self._token_strings, parsed.kind == "chat"))
+                         include_usage=parsed.include_usage)
+        choices = _Choices(self, parsed, shapes, request_id, deadline_at)
         try:
+            await choices.start_first()
             # Before its first token nothing is written that could fail: the watch notices the
             # client gone within a second, and the run's close aborts the request on every tier.
             with ClientWatch(request):
                 if parsed.stream:
-                    return await self._stream(request, parsed, generation, shapes)
-                return await self._respond(request, parsed, generation, shapes)
+                    return await self._stream(request, parsed, choices)
+                return await self._respond(request, parsed, choices)
         except ClientLeft:
-            generation.close_reason = "client_disconnected"
+            choices.set_close_reason("client_disconnected")
             raise
         except asyncio.CancelledError:
             # aiohttp cancels the handler on disconnect when run with handler_cancellation.
-            generation.close_reason = "client_disconnected" if client_gone(request) else "cancelled"
+            choices.set_close_reason("client_disconnected" if client_gone(request) else "cancelled")
             raise
         finally:
-            log.info("%s: closed (%s), finish %s, %d tokens %s", request_id, generation.close_reason,
-                     generation.finish_reason, generation.completion_tokens, generation.tokens_by_tier)
-            await generation.close(generation.close_reason)
-            self._telemetry.finished(request, len(parsed.prompt_ids), generation)
+            await choices.close(request)
 
-    def _usage_of(self, parsed: ParsedRequest, generation: _Generation) -> Json:
-        return _usage(len(parsed.prompt_ids), generation.completion_tokens, generation.run.cached_tokens)
+    def _usage_of(self, parsed: ParsedRequest, choices: _Choices) -> Json:
+        first = choices.started[0].generation
+        completion_tokens = sum(c.generation.completion_tokens for c in choices.started)
+        return _usage(len(parsed.prompt_ids), completion_tokens, first.run.cached_tokens)
 
-    async def _respond(self, request: web.Request, parsed: ParsedRequest, generation: _Generation,
-                       shapes: _Shapes) -> web.StreamResponse:
-        steps: list[_Step] = []
-        while True:
-            step = await generation.next_step()
-            steps.append(step)
-            if step.finish_reason is not None:
-                break
+    async def _respond(self, request: web.Request, parsed: ParsedRequest, choices: _Choices) -> web.StreamResponse:
+        steps: list[list[_Step]] = [[] for _ in range(parsed.n)]
+        async for choice, step in choices.steps():
+            steps[choice.index].append(step)
             if client_gone(request):
-                generation.close_reason = "client_disconnected"
+                choices.set_close_reason("client_disconnected")
                 return web.Response(status=499, reason="Client Closed Request")  # nobody reads it
-        handoff = generation.run.handoff
-        pdd = {**generation.summary(), "handoff": None if handoff is None else _handoff_json(handoff)}
-        body = shapes.completion("".join(s.text for s in steps), steps, step.finish_reason,
-                                 self._usage_of(parsed, generation), pdd,
-                                 parsed.tools.names if parsed.reads_tool_calls and parsed.tools else frozenset())
-        return _json_response(body, headers={"X-Request-Id": generation.run.request_id})
+        bodies = [c.shapes.choice("".join(s.text for s in steps[c.index]), steps[c.index],
+                                  c.generation.finish_reason or "stop", c.tool_names) for c in choices.started]
+        pdd = choices.started[0].pdd_summary()
+        if parsed.n > 1:
+            pdd = {**pdd, "choices": [c.pdd_summary() for c in choices.started]}
+        body = choices.shapes.completion(bodies, self._usage_of(parsed, choices), pdd)
+        return _json_response(body, headers={"X-Request-Id": choices.started[0].generation.run.request_id})
 
-    async def _stream(self, request: web.Request, parsed: ParsedRequest, generation: _Generation,
-                      shapes: _Shapes) -> web.StreamResponse:
-        run = generation.run
+    async def _stream(self, request: web.Request, parsed: ParsedRequest, choices: _Choices) -> web.StreamResponse:
+        first_run = choices.started[0].generation.run
         response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-            "X-Request-Id": run.request_id})
-        tool_deltas = _ToolDeltas(parsed.tools.names) if parsed.reads_tool_calls and parsed.tools else None
+            "X-Request-Id": first_run.request_id})
         try:
             await response.prepare(request)
             try:
-                while True:
-                    step = await generation.next_step()
-                    delta = None if tool_deltas is None else tool_deltas.delta(step)
-                    await _send(response, _sse(shapes.token_chunk(step, run.pipeline, delta)))
+                async for choice, step in choices.steps():
+                    generation = choice.generation
+                    delta = None if choice.tool_deltas is None else choice.tool_deltas.delta(step)
+                    await _send(response, _sse(choice.shapes.token_chunk(step, generation.run.pipeline, delta)))
                     if step.finish_reason is not None:
-                        break
-                finish_reason = step.finish_reason if tool_deltas is None else tool_deltas.finish_reason(step.finish_reason)
-                await _send(response, _sse(shapes.final_chunk(finish_reason, generation.summary(),
-                                                              generation.take_handoff())))
-                if shapes.include_usage:
-                    await _send(response, _sse(shapes.usage_chunk(self._usage_of(parsed, generation))))
+                        finish_reason = (step.finish_reason if choice.tool_deltas is None
+                                         else choice.tool_deltas.finish_reason(step.finish_reason))
+                        await _send(response, _sse(choice.shapes.final_chunk(finish_reason, generation.summary(),
+                                                                             generation.take_handoff())))
+                if choices.shapes.include_usage:
+                    await _send(response, _sse(choices.shapes.usage_chunk(self._usage_of(parsed, choices))))
             except _ClientGone:
                 raise
             except Exception as exc:  # the status line is sent: the error travels as an SSE event
                 if not isinstance(exc, PddError):
-                    log.exception("%s: unhandled error while streaming", run.request_id)
+                    log.exception("%s: unhandled error while streaming", first_run.request_id)
                 else:
-                    log.warning("%s: failed while streaming: %s: %s", run.request_id, type(exc).__name__, exc)
+                    log.warning("%s: failed while streaming: %s: %s", first_run.request_id, type(exc).__name__, exc)
                 tracing.record_error(trace.get_current_span(), exc)
                 await _send(response, _sse(error_payload(exc)[1]))
             await _send(response, b"data: [DONE]\n\n")
             await response.write_eof()
         except (_ClientGone, ConnectionError):
-            generation.close_reason = "client_disconnected"
-            log.info("%s: client disconnected", run.request_id)
+            choices.set_close_reason("client_disconnected")
+            log.info("%s: client disconnected", first_run.request_id)
         return response
+
+
+@dataclass
+class _Choice:
+    """One of a request's n answers: its run turned into steps, and how its objects are shaped."""
+
+    index: int
+    generation: _Generation
+    shapes: _Shapes
+    tool_names: frozenset[str]
+    tool_deltas: _ToolDeltas | None
+
+    def pdd_summary(self) -> Json:
+        handoff = self.generation.run.handoff
+        return {**self.generation.summary(), "handoff": None if handoff is None else _handoff_json(handoff)}
+
+
+class _Choices:
+    """A request's n choices, each a run of its own with choice_seed(seed, i). Choice 0 starts first;
+    the others once P has reported it done (PrefillDone, seen at choice 0's next token; P keeps the
+    prompt in its prefix cache before it reports), so P computes the prompt once. Owns their runs
+    and the tasks that read them: close() closes every one it started."""
+
+    def __init__(self, handlers: OpenAIHandlers, parsed: ParsedRequest, shapes: _Shapes, request_id: str,
+                 deadline_at: float) -> None:
+        self._handlers = handlers
+        self._parsed = parsed
+        self.shapes = shapes
+        self._request_id = request_id
+        self._deadline_at = deadline_at
+        self.started: list[_Choice] = []
+        self._readers: set[asyncio.Task] = set()
+
+    async def start_first(self) -> None:
+        await self._start(0)
+
+    async def _start(self, index: int) -> _Choice:
+        parsed, handlers = self._parsed, self._handlers
+        request_id = self._request_id if index == 0 else new_request_id()  # the KV wire needs an id of this shape
+        sampling = dataclasses.replace(parsed.sampling, seed=choice_seed(parsed.sampling.seed, index))
+        run = await handlers._dispatcher.start(GenerationRequest(
+            request_id=request_id, prompt_ids=list(parsed.prompt_ids), sampling=sampling,
+            pipeline=parsed.pipeline, handoff_at=parsed.handoff_at, md_kv_delay_s=parsed.md_kv_delay_s,
+            handoff_mode=parsed.handoff_mode, failure_policy=parsed.failure_policy, deadline_at=self._deadline_at,
+            prompt_logprobs=parsed.prompt_logprobs))
+        log.info("%s: %s, %d prompt tokens, max_tokens %d, pipeline %s, stream %s", request_id, parsed.kind,
+                 len(parsed.prompt_ids), sampling.max_tokens, run.pipeline, parsed.stream)
+        generation = _Generation(run, parsed, handlers._tokenizer, handlers._config)
+        handlers._telemetry.started(generation)
+        logprobs = None if parsed.sampling.logprobs is None else _Logprobs(handlers._token_strings,
+                                                                           parsed.kind == "chat")
+        tool_names = parsed.tools.names if parsed.reads_tool_calls and parsed.tools else frozenset()
+        choice = _Choice(index, generation, self.shapes.for_choice(index, logprobs), tool_names,
+                         _ToolDeltas(tool_names) if tool_names else None)
+        self.started.append(choice)
+        return choice
+
+    async def steps(self) -> AsyncIterator[tuple[_Choice, _Step]]:
+        """Every choice's steps as they come, each choice's in order, until all have finished."""
+        queue: asyncio.Queue[tuple[_Choice, _Step | BaseException]] = asyncio.Queue()
+        self._read(self.started[0], queue)
+        running = 1
+        while running:
+            choice, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if (choice.index == 0 and len(self.started) < self._parsed.n
+                    and (choice.generation.run.prefill is not None or item.finish_reason is not None)):
+                for index in range(1, self._parsed.n):  # P reported choice 0 after caching its prompt
+                    self._read(await self._start(index), queue)
+                    running += 1
+            if item.finish_reason is not None:
+                running -= 1
+            yield choice, item
+
+    def _read(self, choice: _Choice, queue: asyncio.Queue) -> None:
+        async def read() -> None:
+            try:
+                while True:
+                    step = await choice.generation.next_step()
+                    queue.put_nowait((choice, step))
+                    if step.finish_reason is not None:
+                        return
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # the consumer raises it
+                queue.put_nowait((choice, exc))
+
+        task = asyncio.create_task(read(), name=f"choice-{choice.index}")
+        self._readers.add(task)
+        task.add_done_callback(self._readers.discard)
+
+    def set_close_reason(self, reason: str) -> None:
+        for choice in self.started:
+            choice.generation.close_reason = reason
+
+    async def close(self, request: web.Request) -> None:
+        for task in list(self._readers):
+            task.cancel()
+        await asyncio.gather(*self._readers, return_exceptions=True)
+        for choice in self.started:
+            generation = choice.generation
+            log.info("%s: closed (%s), finish %s, %d tokens %s", generation.run.request_id, generation.close_reason,
+                     generation.finish_reason, generation.completion_tokens, generation.tokens_by_tier)
+            try:
+                await generation.close(generation.close_reason)
+            finally:
+                self._handlers._telemetry.finished(request, len(self._parsed.prompt_ids), generation)
 
 
 def _json_response(body: Json, headers: dict[str, str] | None = None) -> web.Response:

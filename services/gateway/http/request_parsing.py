@@ -35,6 +35,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # ints travel to the workers as JSON
 PDD_EXTENSION_FIELDS = ("pipeline", "handoff_at", "md_kv_delay_ms", "handoff_mode", "failure_policy")
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+MAX_CHOICES = 16  # n: each choice is a request of its own on the decoders
 MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range is [-2, 2]
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range is [-100, 100]
 MAX_COMPLETION_LOGPROBS = 5  # completions' `logprobs`: OpenAI's limit (chat's top_logprobs goes to 20)
@@ -73,6 +74,7 @@ class ParsedRequest:
     handoff_mode: HandoffMode | None = None
     failure_policy: FailurePolicy | None = None
     tools: ToolRequest | None = None  # chat: the tools offered and tool_choice; the answer may hold calls
+    n: int = 1  # choices: choice i samples with choice_seed(seed, i)
 
     @property
     def prompt_logprobs(self) -> int | None:
@@ -241,8 +243,9 @@ def _parse_generation(fields: Mapping[str, object], kind: str, prompt_ids: list[
         raise InvalidParam(prompt_param, f"the prompt is {len(prompt_ids)} tokens; this model's context is "
                                          f"{max_context_tokens} tokens, so a prompt may have at most "
                                          f"{max_context_tokens - 1}")
-    if _int(fields, "n", minimum=1) not in (None, 1):
-        raise InvalidParam("n", "only n=1 is supported")
+    n = _int(fields, "n", minimum=1) or 1
+    if n > MAX_CHOICES:
+        raise InvalidParam("n", f"n must be from 1 to {MAX_CHOICES}")
     stream = _bool(fields, "stream")
     stream_options = _object(fields, "stream_options")
     pipeline, handoff_at, md_kv_delay_s, handoff_mode, failure_policy = _pdd_extension(_object(fields, "pdd"))
@@ -257,6 +260,8 @@ def _parse_generation(fields: Mapping[str, object], kind: str, prompt_ids: list[
     if kind == "chat" and _bool(fields, "echo"):
         raise InvalidParam("echo", "echo is a completions field; chat completions do not take it")
     max_tokens = _max_tokens(fields, len(prompt_ids), config, max_context_tokens, zero_allowed=_bool(fields, "echo"))
+    if max_tokens == 0 and n > 1:
+        raise InvalidParam("n", "n > 1 needs max_tokens of at least 1: with max_tokens 0 every choice is the prompt")
     min_tokens = _int(fields, "min_tokens", minimum=0) or 0
     if min_tokens > max_tokens:
         raise InvalidParam("min_tokens", f"min_tokens={min_tokens} is more than max_tokens={max_tokens}")
@@ -294,7 +299,7 @@ def _parse_generation(fields: Mapping[str, object], kind: str, prompt_ids: list[
         include_stop=_bool(fields, "include_stop_str_in_output"),
         stream=stream, include_usage=stream and _bool(stream_options, "include_usage", "stream_options."),
         pipeline=pipeline, handoff_at=handoff_at, md_kv_delay_s=md_kv_delay_s, handoff_mode=handoff_mode,
-        failure_policy=failure_policy, tools=tools,
+        failure_policy=failure_policy, tools=tools, n=n,
     )
 
 
