@@ -297,3 +297,18 @@ def test_p_is_asked_to_cache_a_running_answer_every_step_but_the_last() -> None:
     assert warmer.on_tokens("r", 6, [7, 8, 9], finished=False) == [1, 2, 3, 4, 5, 6, 7, 8]
     assert warmer.on_tokens("r", 9, [10, 11, 12], finished=True) is None, "the next turn computes the rest"
     assert AnswerWarmer(step_tokens=0).on_tokens("r", 0, [1, 2, 3, 4], finished=False) is None
+
+
+def test_a_handoff_after_a_handful_of_eager_tokens_still_catches_up() -> None:
+    from services.relay.handoff import HandoffPlan, Step
+    from shared.config import HandoffConfig
+    from shared.names import HandoffMode
+
+    plan = HandoffPlan(HandoffMode.CATCH_UP, HandoffConfig().catch_up_threshold, handoff_at=None)
+    plan.on_main_progress()  # MD's KV is in after 6 eager tokens
+    first = plan.next(6)
+    assert (first.step, first.start, first.end) == (Step.SEND_CHUNK, 0, 6), "RLD keeps decoding while MD recomputes"
+    assert plan.next(7).step is Step.DECODE
+    plan.on_main_progress()
+    cut = plan.next(8)
+    assert (cut.step, cut.start, cut.end) == (Step.CUT, 6, 8), "the final pass recomputes two tokens, not eight"
