@@ -108,6 +108,7 @@ GATEWAY = GatewayConfig(
     host="127.0.0.1", port=0, default_pipeline="auto", request_timeout_s=10.0, token_timeout_s=5.0,
     max_body_bytes=64 * 1024, default_max_tokens=32)
 PROMPT = [11, 12, 13, 14]
+ECHO_ID = "req-" + "e" * 32  # the KV wire carries request ids as UUIDs
 
 
 def entry(i: int) -> TokenLogprob:
@@ -132,7 +133,7 @@ class Dispatch:
 
 async def run_of(max_tokens: int) -> tuple[RequestRun, Dispatch]:
     dispatch = Dispatch()
-    req = GenerationRequest("req-echo", list(PROMPT), SamplingParams(max_tokens=max_tokens), None, None, 0.0,
+    req = GenerationRequest(ECHO_ID, list(PROMPT), SamplingParams(max_tokens=max_tokens), None, None, 0.0,
                             prompt_logprobs=1)
     run = RequestRun(SimpleNamespace(), req, GATEWAY, dispatch.start, dispatch.stop, is_alive=lambda _: True)
     await run.start()
@@ -147,8 +148,8 @@ async def send(run: RequestRun, *events: object) -> None:
 async def test_a_prompt_only_request_is_served_by_p_alone_and_ends_with_its_report():
     run, dispatch = await run_of(max_tokens=0)
     assert run.pipeline == Pipeline.P and run.instances == {"prefill": "p-0"}
-    await send(run, PromptLogprobs("req-echo", 1, [entry(1), entry(2)]), PromptLogprobs("req-echo", 3, [entry(3)]),
-               PrefillDone("req-echo", "p-0", 3, 0.01, {}, {}))
+    await send(run, PromptLogprobs(ECHO_ID, 1, [entry(1), entry(2)]), PromptLogprobs(ECHO_ID, 3, [entry(3)]),
+               PrefillDone(ECHO_ID, "p-0", 3, 0.01, {}, {}))
     assert [t async for t in run.tokens()] == []  # no decoder, no token
     assert run.phase is RunPhase.FINISHED and run.finish_reason == "length"
     assert run.prompt_logprobs == [None, entry(1), entry(2), entry(3)]
@@ -160,13 +161,13 @@ async def test_the_answer_waits_for_the_prompts_last_logprobs():
     """A decoder's tokens (here the whole answer) may arrive before P's last chunk of logprobs: the
     run holds them, and finishes only once the prompt is scored."""
     run, _ = await run_of(max_tokens=2)
-    await send(run, PromptLogprobs("req-echo", 1, [entry(1)]),
-               TokenChunk("req-echo", 0, [7, 8], Role.MAIN, "length"))
+    await send(run, PromptLogprobs(ECHO_ID, 1, [entry(1)]),
+               TokenChunk(ECHO_ID, 0, [7, 8], Role.MAIN, "length"))
     stream = run.tokens()
     waiting = asyncio.ensure_future(anext(stream))
     await asyncio.sleep(0.05)
     assert not waiting.done() and run.prompt_logprobs is None and run.phase is RunPhase.RUNNING
-    await send(run, PromptLogprobs("req-echo", 2, [entry(2), entry(3)]))
+    await send(run, PromptLogprobs(ECHO_ID, 2, [entry(2), entry(3)]))
     first = await waiting
     assert [first.token_id] + [t.token_id async for t in stream] == [7, 8]
     assert run.prompt_logprobs == [None, entry(1), entry(2), entry(3)] and run.phase is RunPhase.FINISHED

@@ -29,6 +29,7 @@ CONFIG = GatewayConfig(
     host="127.0.0.1", port=0, default_pipeline="auto", request_timeout_s=10.0, token_timeout_s=5.0,
     max_body_bytes=64 * 1024, default_max_tokens=32, max_migrations=2)
 PROMPT = [11, 12, 13, 14]
+REQ_ID = "req-" + "0" * 32  # the KV wire carries request ids as UUIDs
 
 
 class FakeNats:
@@ -70,7 +71,7 @@ class FakeDispatch:
 async def start_run(dispatch: FakeDispatch, max_tokens: int = 20, config: GatewayConfig = CONFIG,
                     is_alive=None) -> tuple[RequestRun, FakeNats]:
     nc = FakeNats()
-    req = GenerationRequest("req-test", list(PROMPT), SamplingParams(max_tokens=max_tokens), None, None, 0.0)
+    req = GenerationRequest(REQ_ID, list(PROMPT), SamplingParams(max_tokens=max_tokens), None, None, 0.0)
     run = RequestRun(nc, req, config, dispatch.start, dispatch.stop, is_alive=is_alive)
     await run.start()
     return run, nc
@@ -143,14 +144,14 @@ async def test_a_finish_reason_finishes_the_run_and_later_tokens_are_dropped():
     await run.close("error")
     await run.close("error")
     assert run.phase is RunPhase.CLOSED and run.finished, "closing keeps what the run became"
-    assert dispatch.stopped == [("req-test", "finished")]
+    assert dispatch.stopped == [(REQ_ID, "finished")]
 
 
 async def test_a_closed_run_is_let_go_with_the_callers_reason():
     dispatch = FakeDispatch()
     run, _ = await start_run(dispatch)
     await run.close("client_disconnected")
-    assert dispatch.stopped == [("req-test", "client_disconnected")]
+    assert dispatch.stopped == [(REQ_ID, "client_disconnected")]
     assert run.attempt.phase is AttemptPhase.STOPPED and not run.finished
 
 
@@ -173,7 +174,7 @@ async def test_relay_lost_before_the_cut_main_takes_over_with_every_streamed_tok
     assert run.recovery == "main_takes_over" and run.cut_index == 4 and run.attempt.phase is AttemptPhase.CUT
     subject, handoff = nc.published[-1]
     assert subject == subjects.handoff("md-0")
-    assert handoff == Handoff("req-test", [100, 101, 102, 103], finished=False, start=0, final=True,
+    assert handoff == Handoff(REQ_ID, [100, 101, 102, 103], finished=False, start=0, final=True,
                               mode=HandoffMode.ONE_SHOT)
     assert await feed(run, chunk(run, 4, [104], Role.MAIN)) == [(4, 104, "main")]
     assert run.cut_index == 4, "decided once"
@@ -183,11 +184,11 @@ async def test_main_lost_before_the_cut_leaves_relay_alone_and_is_counted_once()
     recoveries = []
     dispatch = FakeDispatch()
     nc = FakeNats()
-    req = GenerationRequest("req-test", list(PROMPT), SamplingParams(max_tokens=20), None, None, 0.0)
+    req = GenerationRequest(REQ_ID, list(PROMPT), SamplingParams(max_tokens=20), None, None, 0.0)
     run = RequestRun(nc, req, CONFIG, dispatch.start, dispatch.stop, on_recovery=recoveries.append)
     await run.start()
     await feed(run, chunk(run, 0, [100], Role.RELAY), failed(run, Role.PREFILL))  # MD's KV may never come
-    assert nc.published == [(subjects.main_lost("rld-0"), MainLost("req-test", "prefill: prefill went away"))]
+    assert nc.published == [(subjects.main_lost("rld-0"), MainLost(REQ_ID, "prefill: prefill went away"))]
     assert run.attempt.phase is AttemptPhase.RELAY_ALONE
     await feed(run, failed(run, Role.MAIN))  # MD, let go, reports its KV never came
     assert recoveries == ["finish_on_relay"] and len(nc.published) == 1 and not dispatch.stopped
@@ -332,3 +333,9 @@ async def test_illegal_attempt_moves_fail_loudly():
     await run.close("done")
     with pytest.raises(RuntimeError, match="stopped -> cut"):
         run.attempt.move(AttemptPhase.CUT)
+
+
+def test_a_request_id_the_kv_wire_cannot_carry_is_refused_at_once():
+    """An id that is not 'req-' and a UUID would only fail on P's KV sockets, and the request hang."""
+    with pytest.raises(ValueError, match="UUID"):
+        GenerationRequest(REQ_ID + "-1", list(PROMPT), SamplingParams(max_tokens=4), None, None, 0.0)

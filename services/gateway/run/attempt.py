@@ -22,6 +22,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from shared.kv_wire import request_id_bytes
 from shared.lifecycle import checked_move
 from shared.messages import PrefillDone
 from shared.names import FailurePolicy, HandoffMode, Pipeline, Role
@@ -59,6 +60,12 @@ class GenerationRequest:
     deadline_at: float | None = None  # time.monotonic() the request must end by (it may have queued at
     # admission); None: --request-timeout-s after its run starts
     prompt_logprobs: int | None = None  # N: P scores the prompt (PromptLogprobs), with the N likeliest tokens
+
+    def __post_init__(self) -> None:
+        try:  # the KV wire carries the id as a UUID: any other would only fail later, on P's sockets
+            request_id_bytes(self.request_id)
+        except ValueError:
+            raise ValueError(f"request id {self.request_id!r} is not 'req-' and a UUID (new_request_id)") from None
 
     @property
     def prefill_only(self) -> bool:
