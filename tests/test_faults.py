@@ -120,22 +120,27 @@ async def test_main_killed_while_decoding_the_request_moves_to_relay_without_rep
     await healthy(session, stack)
 
 
-async def test_a_migrated_seeded_sample_draws_what_it_would_have_drawn(stack, session):
-    """The sampler's draw for token i depends on (seed, i) only; a migration keeps i absolute."""
-    p = prompt(9)
-    body = {"prompt": p, "max_tokens": 300, "temperature": 0.9, "top_p": 0.95, "seed": 7, "ignore_eos": True,
-            "pdd": {"pipeline": "p-md"}}
+async def undisturbed_and_migrated(session, stack, body: dict, kill_at: int = 15):
+    """The same request twice: alone, then with MD killed as token `kill_at` arrives (MD restarted after)."""
     undisturbed = await stream_completion(session, stack.api_url, body)
 
-    def kill_at_15(index: int, tier: str) -> None:
-        if index == 15:
+    def kill_main(index: int, tier: str) -> None:
+        if index == kill_at:
             stack.kill("main")
 
-    migrated = await stream_completion(session, stack.api_url, body, on_token=kill_at_15)
+    migrated = await stream_completion(session, stack.api_url, body, on_token=kill_main)
     assert migrated.summary["migrations"], "the kill landed after the last token"
-    assert migrated.token_ids == undisturbed.token_ids
     await stack.restart("main")
     await healthy(session, stack)
+    return undisturbed, migrated
+
+
+async def test_a_migrated_seeded_sample_draws_what_it_would_have_drawn(stack, session):
+    """The sampler's draw for token i depends on (seed, i) only; a migration keeps i absolute."""
+    body = {"prompt": prompt(9), "max_tokens": 300, "temperature": 0.9, "top_p": 0.95, "seed": 7, "ignore_eos": True,
+            "pdd": {"pipeline": "p-md"}}
+    undisturbed, migrated = await undisturbed_and_migrated(session, stack, body)
+    assert migrated.token_ids == undisturbed.token_ids
 
 
 async def test_a_migrated_answer_keeps_its_grammar(stack, session):
@@ -146,18 +151,9 @@ async def test_a_migrated_answer_keeps_its_grammar(stack, session):
               "required": ["steps"]}
     body = {"prompt": prompt(12), "max_tokens": 200, "temperature": 0.9, "seed": 21, "pdd": {"pipeline": "p-md"},
             "response_format": {"type": "json_schema", "json_schema": {"name": "walk", "schema": schema}}}
-    undisturbed = await stream_completion(session, stack.api_url, body)
-
-    def kill_at_15(index: int, tier: str) -> None:
-        if index == 15:
-            stack.kill("main")
-
-    migrated = await stream_completion(session, stack.api_url, body, on_token=kill_at_15)
-    assert migrated.summary["migrations"], "the kill landed after the last token"
+    undisturbed, migrated = await undisturbed_and_migrated(session, stack, body)
     assert migrated.token_ids == undisturbed.token_ids and migrated.finish_reason == "stop"
     assert len(json.loads(migrated.text)["steps"]) == 40
-    await stack.restart("main")
-    await healthy(session, stack)
 
 
 async def test_main_killed_while_decoding_under_the_fail_policy_is_an_error_within_its_deadline(stack, session):
