@@ -12,6 +12,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
+from shared.names import AbortReason
+
 
 def setup_tracing(service_name: str, instance_id: str, otlp_endpoint: str,
                   exporter: SpanExporter | None = None) -> TracerProvider:
@@ -55,11 +57,11 @@ def record_error(span: trace.Span, exc: BaseException) -> None:
 
 
 def mark_aborted(span: trace.Span, reason: str) -> None:
-    """The gateway's Abort reached this request while it still ran. "finished" is the normal end
-    (e.g. RLD completed before MD's KV arrived), not an error."""
+    """The gateway's Abort reached this request while it still ran. "finished" and "finished on
+    relay" (RLD completed before MD's KV arrived) are the normal end, not an error."""
     span.add_event("abort", {"pdd.reason": reason})
     span.set_attribute("pdd.aborted", reason)
-    if reason != "finished":
+    if reason not in (AbortReason.FINISHED, AbortReason.FINISHED_ON_RELAY):
         span.set_status(Status(StatusCode.ERROR, f"aborted: {reason}"))
 
 

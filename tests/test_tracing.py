@@ -201,7 +201,7 @@ async def test_one_trace_joins_gateway_prefill_relay_and_main(stack, session, ti
 
 
 async def test_an_abort_is_marked_on_the_spans_it_reached(stack, session, tiny_tokenizer):
-    # RLD finishes 2 tokens long before MD's KV (held back 3 s) is in: the gateway's Abort finds P
+    # RLD finishes 2 tokens long before MD's KV (delayed 3 s) is in: the gateway's Abort finds P
     # still sending to MD, and the trace says so
     prompt_ids = tiny_tokenizer("[abort] " + PROMPT)["input_ids"]
     body = {"model": "tiny-llama", "prompt": prompt_ids, "max_tokens": 2, "temperature": 0,
@@ -213,9 +213,11 @@ async def test_an_abort_is_marked_on_the_spans_it_reached(stack, session, tiny_t
     to_main = next(s for s in spans if s["name"] == "prefill.kv_transfer"
                    and s["attributes"]["pdd.target_role"] == "main")
     assert to_main["attributes"]["pdd.outcome"] == "aborted"
-    assert to_main["attributes"]["pdd.aborted"] == "finished" and to_main["status"]["code"] != "ERROR"
+    # MD made no token: the Abort says so, and P counts what its MD path sent for nothing
+    assert to_main["attributes"]["pdd.aborted"] == "finished on relay" and to_main["status"]["code"] != "ERROR"
     prefill = one(spans, "prefill")
-    assert any(e["name"] == "abort" and e["attributes"]["pdd.reason"] == "finished" for e in prefill["events"])
+    assert any(e["name"] == "abort" and e["attributes"]["pdd.reason"] == "finished on relay"
+               for e in prefill["events"])
 
 
 async def test_a_refused_request_is_a_root_span_with_its_error(stack, session):
