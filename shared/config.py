@@ -354,7 +354,9 @@ class GatewayConfig:
     max_prompt_bytes_per_token: int = flag(256, "a prompt of more UTF-8 bytes than the context's tokens times this "
                                                 "cannot fit: refused with 400 before tokenising")
     tokenizer_threads: int = flag(2, "threads that render the chat template and tokenise, off the event loop")
-    default_max_tokens: int = flag(256)
+    default_max_tokens: int = flag(256, "max_tokens of a request that gives none, capped by the context; 0: the "
+                                        "rest of the context, as vLLM (each such request then reserves KV for "
+                                        "the whole context on its decoders)")
     ttft_slo_s: float = flag(2.0, name="ttft-slo-ms", scale=1000)
     relay_min_gain_fraction: float = flag(0.05, "auto picks P-RLD-MD only when RLD's first token is predicted "
                                                 "earlier than MD's by more than this fraction of the TTFT SLO (a "

@@ -127,6 +127,13 @@ def test_default_max_tokens_shrinks_to_fit_the_context(tokenizer):
     assert parsed.sampling.max_tokens == 10
 
 
+def test_default_max_tokens_zero_is_the_rest_of_the_context_as_in_vllm(tokenizer):
+    config = dataclasses.replace(CONFIG, default_max_tokens=0)
+    parsed = parse_completion_request({"prompt": list(range(20, 40))}, tokenizer, MODEL, config, CONTEXT)
+    assert parsed.sampling.max_tokens == CONTEXT - 20
+    assert completion(tokenizer, {"prompt": list(range(20, 40))}).sampling.max_tokens == CONFIG.default_max_tokens
+
+
 def test_include_usage_only_counts_when_streaming(tokenizer):
     assert not chat(tokenizer, {"messages": USER_HI, "stream_options": {"include_usage": True}}).include_usage
 

@@ -323,7 +323,7 @@ def _max_tokens(fields: Mapping[str, object], prompt_tokens: int, config: Gatewa
                                  "prompt and its logprobs alone)")
     room = max_context_tokens - prompt_tokens
     if requested is None:
-        return max(1, min(config.default_max_tokens, room))
+        return max(1, room if config.default_max_tokens == 0 else min(config.default_max_tokens, room))
     if requested > room:  # like vLLM: an explicit limit that cannot fit is the client's error
         raise InvalidParam(name, f"{name}={requested} plus the prompt's {prompt_tokens} tokens exceeds this "
                                  f"model's context of {max_context_tokens} tokens")
