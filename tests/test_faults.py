@@ -156,6 +156,22 @@ async def test_a_migrated_answer_keeps_its_grammar(stack, session):
     assert len(json.loads(migrated.text)["steps"]) == 40
 
 
+async def test_an_echo_with_logprobs_survives_a_migration(stack, session):
+    """The prompt's logprobs (from P) and the answer's come out whole and equal to an undisturbed run's
+    when MD is lost mid-answer and the request migrates."""
+    body = {"prompt": prompt(13), "max_tokens": 40, "temperature": 0, "ignore_eos": True, "echo": True,
+            "logprobs": 2, "pdd": {"pipeline": "p-md"}}
+    undisturbed, migrated = await undisturbed_and_migrated(session, stack, body)
+
+    def token_logprobs(result) -> list[float | None]:
+        return [value for chunk in result.logprobs for value in chunk["token_logprobs"]]
+
+    assert migrated.token_ids == undisturbed.token_ids and migrated.text == undisturbed.text
+    expected, got = token_logprobs(undisturbed), token_logprobs(migrated)
+    assert len(got) == len(expected) == len(body["prompt"]) + 40 and got[0] is None is expected[0]
+    assert max(abs(a - b) for a, b in zip(got[1:], expected[1:])) < 1e-4
+
+
 async def test_main_killed_while_decoding_under_the_fail_policy_is_an_error_within_its_deadline(stack, session):
     loop = asyncio.get_running_loop()
     t0 = loop.time()

@@ -36,6 +36,7 @@ class StreamResult:
     usage: Json | None = None
     summary: Json = field(default_factory=dict)  # the final chunk's pdd field
     handoff: Json | None = None
+    logprobs: list[Json] = field(default_factory=list)  # each chunk's choices[0].logprobs, when it has them
 
     @property
     def ttft_s(self) -> float | None:
@@ -87,6 +88,8 @@ async def stream_completion(session: aiohttp.ClientSession, api_url: str, body: 
             if pdd.get("handoff"):
                 result.handoff = pdd["handoff"]
             for choice in event.get("choices", ()):
+                if choice.get("logprobs"):
+                    result.logprobs.append(choice["logprobs"])
                 delta = choice.get("delta") or {}
                 text = delta.get("content") or choice.get("text") or ""
                 result.text += text
