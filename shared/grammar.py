@@ -283,11 +283,6 @@ class GrammarState:
                                   f"{_first_line(self._matcher.get_error())}")
         self.tokens_accepted += 1
 
-    def mask(self, logits_row: torch.Tensor) -> None:
-        """apply_masks for one row [logits_width]; fits shared.sampling's LogitsProcessor
-        (SamplingRow.processors=(state.mask,)), though apply_masks over the batch is cheaper."""
-        self._grammars.apply_masks(logits_row.unsqueeze(0), [self])
-
     @property
     def finished(self) -> bool:
         """The grammar is complete: only EOS is allowed next."""

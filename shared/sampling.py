@@ -7,7 +7,7 @@ and after a migration. Options follow vLLM's definitions, in vLLM's order:
 
 0. (the engine, before this module) a grammar's mask, for requests with a `constraint`;
 1. logprobs: log_softmax of the model's logits, before anything below (vLLM's "raw_logprobs");
-2. the row's own logits processors (`SamplingRow.processors`), min_tokens, logit_bias;
+2. min_tokens, logit_bias;
 3. repetition, frequency and presence penalties;
 4. greedy: argmax; random: temperature, min_p, top_k, top_p, then the seeded draw.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -113,10 +113,6 @@ class SamplingParams:
                 torch.tensor(list(self.logit_bias.values()), dtype=torch.float32))
 
 
-LogitsProcessor = Callable[[torch.Tensor], None]
-"""Changes one row's float32 logits [vocab] in place, before the built-in options (a grammar's mask)."""
-
-
 @dataclass(frozen=True)
 class SamplingRow:
     """What the sampler needs of one row: the request's options, the output position it samples and,
@@ -126,7 +122,6 @@ class SamplingRow:
     token_index: int  # the request's output position being sampled (seeds the draw, min_tokens)
     prompt_ids: Sequence[int] = ()  # the request's own prompt: read by repetition_penalty
     output_ids: Sequence[int] = ()  # every output token before token_index: read by the penalties
-    processors: tuple[LogitsProcessor, ...] = ()  # per-request steps, applied first, in order
 
 
 @dataclass(frozen=True)
@@ -197,16 +192,14 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], token_
 
 
 def apply_options(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """The logits with every row's processors, min_tokens, logit_bias and penalties applied (a float32
+    """The logits with every row's min_tokens, logit_bias and penalties applied (a float32
     copy), or the logits themselves when no row has any."""
-    changed = [i for i, row in enumerate(rows) if row.processors or row.params.changes_logits(row.token_index)]
+    changed = [i for i, row in enumerate(rows) if row.params.changes_logits(row.token_index)]
     if not changed:
         return logits
     logits = logits.to(torch.float32, copy=True)
     for i in changed:
         row, params = rows[i], rows[i].params
-        for processor in row.processors:
-            processor(logits[i])
         if params.holds_back_endings(row.token_index):
             logits[i, list(params.ending_token_ids)] = float("-inf")
         if params.logit_bias:

@@ -184,9 +184,6 @@ def test_a_batch_masks_only_its_constrained_rows(vocab: Vocab) -> None:
     assert torch.equal(logits[1], free_row)
     assert torch.equal(torch.isfinite(logits[0]), allowed(vocab, json_state))
     assert torch.equal(torch.isfinite(logits[2]), allowed(vocab, tool_state))
-    one_row = torch.randn(vocab.width)
-    tool_state.mask(one_row)  # the per-row form, for a sampler's logits processors
-    assert torch.equal(torch.isfinite(one_row), allowed(vocab, tool_state))
 
 
 def test_no_grammar_costs_nothing(vocab: Vocab) -> None:

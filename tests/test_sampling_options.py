@@ -140,12 +140,3 @@ def test_a_request_without_penalties_gives_the_sampler_no_history() -> None:
     no_repetition = DecodeSequence("r", list(PROMPT), SamplingParams(presence_penalty=1.0), 100,
                                    output_ids=list(OUTPUT)).sampling_row()
     assert no_repetition.prompt_ids == () and list(no_repetition.output_ids) == OUTPUT
-
-
-def test_row_processors_run_before_the_options() -> None:
-    def ban_first(row_logits: torch.Tensor) -> None:
-        row_logits[0] = float("-inf")
-
-    logits = torch.tensor([[9.0, 1.0, 2.0]])
-    row = SamplingRow(SamplingParams(logit_bias={0: 100.0}), 0, processors=(ban_first,))
-    assert sample_rows(logits, [row])[0].token_id == 2  # -inf + 100 stays banned
