@@ -269,7 +269,9 @@ async def test_echo_with_an_answer_puts_the_prompt_and_its_logprobs_first(client
     chunks = [c for c in chunks if c.logprobs is not None]
     assert chunks[0].text.startswith(text) and "".join(c.text for c in chunks) == echoed.text
     assert [t for c in chunks for t in c.logprobs.tokens] == logprobs.tokens
-    assert [lp for c in chunks for lp in c.logprobs.token_logprobs] == logprobs.token_logprobs
+    streamed = [lp for c in chunks for lp in c.logprobs.token_logprobs]  # another run: batches may round apart
+    assert streamed[0] is None is logprobs.token_logprobs[0]
+    assert streamed[1:] == pytest.approx(logprobs.token_logprobs[1:], abs=TOLERANCE)
     assert [o for c in chunks for o in c.logprobs.text_offset] == offsets
 
 
