@@ -45,6 +45,7 @@ async def test_a_held_stream_is_released_when_relay_is_slower_than_predicted(sta
     result = await complete(session, stack, prompt, 400)  # predicted 4 ms of RLD; it takes seconds
     assert result.summary["pipeline"] == "p-rld-md"
     assert result.summary["policy"]["reason"].startswith("short output"), "held at first"
+    assert result.summary["policy"]["main_kv_held"]
     assert await gateway_counter(session, stack, "pdd_main_kv_releases_total") == 1
     assert "main" in result.tiers, "released: MD took over"
     assert result.token_ids == tiny_generate(prompt, 400)
@@ -61,3 +62,15 @@ async def test_a_short_answer_sends_nothing_over_the_wan(stack, session, tiny_ge
     assert after["relay_finished_wan_bytes"] == before["relay_finished_wan_bytes"], "MD's stream never left P"
     assert after["kv_bytes_saved_by_abort"] > before["kv_bytes_saved_by_abort"]
     assert await gateway_counter(session, stack, "pdd_finished_on_relay_total") >= 1
+
+
+async def test_a_request_that_names_its_handoff_is_never_held(stack, session, tiny_generate):
+    """Held, RLD would wait at the cut for KV that P keeps back until RLD turns out slow, which a
+    4-token answer never does: the request would get no token after its cut."""
+    prompt = random_prompt(3, PROMPT_TOKENS)
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "pdd": {"pipeline": "p-rld-md", "handoff_at": 2}}
+    result = await stream_completion(session, stack.api_url, body)
+    assert result.summary["pipeline"] == "p-rld-md" and not result.summary["policy"]["main_kv_held"]
+    assert result.tiers == ["relay"] * 2 + ["main"] * 2
+    assert result.token_ids == tiny_generate(prompt, 4)

@@ -214,6 +214,10 @@ class Dispatcher:
         if forced is not None and forced != decision.pipeline:
             decision = dataclasses.replace(decision, pipeline=forced, reason="named by the request or gateway flag",
                                            hold_main_kv=False)
+        if decision.hold_main_kv and (req.pipeline is not None or req.handoff_at is not None):
+            # a request that names its pipeline or its cut asks for MD to take over: RLD would wait for
+            # MD at the cut, and a held stream would reach MD only if RLD turned out slow
+            decision = dataclasses.replace(decision, hold_main_kv=False)
         if decision.hold_main_kv:
             self._watches[req.request_id] = (RelayWatch.of(decision, self.policy, estimate, req.sampling.max_tokens),
                                              prefill.heartbeat.instance_id)
