@@ -4,7 +4,10 @@ Requests join and leave the running batch at every step. A step takes the pendin
 tokens first, then extend and prefill tokens, split to fit `max_batch_tokens`), runs ONE packed
 forward over it and resolves each caller's asyncio future on its own loop. The engine also owns
 the KV: a budget of tokens, admission in arrival order while the budget has room, and exactly one
-free per request. asyncio code never runs a forward; it awaits futures.
+free per request. A decoding request's KV grows `kv_grow_tokens` at a time as it decodes (so a
+default max_tokens of the whole context costs only what is used); when a step's growth does not fit
+the budget, the newest requests are preempted (KVPreempted, as vLLM does: the gateway restarts them
+with the tokens they made). asyncio code never runs a forward; it awaits futures.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from typing import TypeVar
 import torch
 
 from shared.config import EngineConfig
-from shared.errors import BadRequest, PddError
+from shared.errors import BadRequest, KVPreempted, PddError
 from shared.grammar import Constraint, GrammarCompiler, GrammarDiverged, GrammarState
 from shared.model_runner import DecodeSequence, ModelRunner, PackedRow, SequenceKV
 from shared.sampling import TokenLogprob, sample_rows, score_tokens
@@ -69,15 +72,16 @@ class _Work:
 class _Admission:
     key: str
     parts: Sequence[torch.Tensor]
-    reserve_tokens: int
+    kv_tokens: int  # the most positions it will hold
+    first_tokens: int  # what admission allocates (and the budget must have room for)
     seq: DecodeSequence | None
     future: asyncio.Future
 
 
 @dataclass
 class _Slot:
-    kv: SequenceKV
-    reserve_tokens: int
+    kv: SequenceKV  # kv.capacity positions allocated: what the budget counts
+    kv_tokens: int  # the most it may grow to
     seq: DecodeSequence | None
 
 
@@ -127,6 +131,9 @@ class BatchEngine:
         self.forward_s = 0.0  # time spent in forwards and sampling
         self.batch_sizes: deque[int] = deque(maxlen=256)  # requests per recent step
         self.frees = 0
+        self.grows = 0
+        self.preemptions = 0
+        self._preempted: set[str] = set()  # keys whose KV was taken back, until they are released
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
         self._thread.start()
 
@@ -147,12 +154,12 @@ class BatchEngine:
         return len(self._waiting) + len(self._work) + len(self._incoming)
 
     def stats(self) -> dict[str, int | float]:
-        """For the heartbeat: kv_used_tokens is what admitted requests reserved, kv_filled_tokens what they hold."""
+        """For the heartbeat: kv_used_tokens is what admitted requests allocated, kv_filled_tokens what they hold."""
         steps = self.steps
         return {"kv_budget_tokens": self.config.kv_budget_tokens, "kv_used_tokens": self.kv_used_tokens,
                 "kv_filled_tokens": self._filled_tokens(), "waiting": self.waiting, "running": self.running,
                 "engine_steps": steps, "mean_batch": round(self.rows / steps, 2) if steps else 0.0,
-                "kv_frees": self.frees}
+                "kv_frees": self.frees, "kv_grows": self.grows, "preemptions": self.preemptions}
 
     def _filled_tokens(self) -> int:
         while True:
@@ -161,18 +168,22 @@ class BatchEngine:
             except RuntimeError:  # the engine thread changed the dict under us: read again
                 continue
 
-    async def open(self, key: str, parts: Sequence[torch.Tensor], reserve_tokens: int,
+    async def open(self, key: str, parts: Sequence[torch.Tensor], kv_tokens: int,
                    seq: DecodeSequence | None = None) -> SequenceKV:
-        """Reserve KV for `reserve_tokens` positions (waiting while the budget is full), filled with parts.
+        """Admit a request that will hold at most `kv_tokens` KV positions (waiting while the budget is
+        full), filled with parts. A decoding request (`seq`) gets its parts and `kv_grow_tokens` more
+        now, and grows as it goes; any other gets all `kv_tokens` at once.
 
         The caller must `release(key)` on every path once this was called, also when it was
         cancelled while waiting: the release is what frees the KV or withdraws the wait.
         """
         budget = self.config.kv_budget_tokens
-        if budget and reserve_tokens > budget:
-            raise KVBudgetExceeded(f"{key} needs {reserve_tokens} KV tokens, more than the budget of {budget}")
+        if budget and kv_tokens > budget:
+            raise KVBudgetExceeded(f"{key} needs {kv_tokens} KV tokens, more than the budget of {budget}")
+        grow = self.config.kv_grow_tokens
+        first = min(kv_tokens, sum(part.shape[3] for part in parts) + grow) if seq is not None and grow else kv_tokens
         future = asyncio.get_running_loop().create_future()
-        admission = _Admission(key, parts, reserve_tokens, seq, future)
+        admission = _Admission(key, parts, kv_tokens, first, seq, future)
         self._command(lambda: self._waiting.append(admission))
         return await future
 
@@ -273,7 +284,7 @@ class BatchEngine:
         try:
             while self._gather():
                 self._admit()
-                batch = self._schedule()
+                batch = self._make_room(self._schedule())
                 if batch:
                     self._run(batch)
         except Exception:
@@ -316,18 +327,18 @@ class BatchEngine:
         budget = self.config.kv_budget_tokens
         while self._waiting:
             admission = self._waiting[0]
-            if budget and self.kv_used_tokens + admission.reserve_tokens > budget:
+            if budget and self.kv_used_tokens + admission.first_tokens > budget:
                 return  # in arrival order: a big request is not overtaken forever by small ones
             self._waiting.popleft()
             try:
                 if admission.seq is not None and admission.seq.sampling.constraint is not None:
                     admission.seq.grammar = self._new_grammar(admission.seq.sampling.constraint)
-                kv = self.runner.new_kv(admission.reserve_tokens, admission.parts)
+                kv = self.runner.new_kv(admission.first_tokens, admission.parts)
             except Exception as exc:
                 _notify(admission.future, exc=exc)
                 continue
-            self._slots[admission.key] = _Slot(kv, admission.reserve_tokens, admission.seq)
-            self.kv_used_tokens += admission.reserve_tokens
+            self._slots[admission.key] = _Slot(kv, admission.kv_tokens, admission.seq)
+            self.kv_used_tokens += admission.first_tokens
             if admission.seq is not None:
                 admission.seq.kv = kv
             _notify(admission.future, kv)  # a caller that gave up meanwhile still releases the key
@@ -338,25 +349,60 @@ class BatchEngine:
         return self.grammars.new_state(Constraint.from_dict(constraint))
 
     def _release(self, key: str) -> None:
+        self._preempted.discard(key)
+        self._free(key, None)
+        self._admit()
+
+    def _free(self, key: str, exc: PddError | None) -> None:
+        """Drop a request's KV and its waits; its pending work fails with `exc`, or is cancelled."""
         slot = self._slots.pop(key, None)
         if slot is not None:
-            self.kv_used_tokens -= slot.reserve_tokens
+            self.kv_used_tokens -= slot.kv.capacity
             self.frees += 1
             slot.kv.data = torch.empty(0)  # the storage goes now, whoever still holds the SequenceKV
         withdrawn = [a.future for a in self._waiting if a.key == key] + [w.future for w in self._work if w.key == key]
         self._waiting = deque(a for a in self._waiting if a.key != key)
         self._work = [w for w in self._work if w.key != key]
         for future in withdrawn:
-            _notify(future, cancel=True)
+            _notify(future, exc=exc, cancel=exc is None)
         self._expected.discard(key)
-        self._admit()
+
+    def _make_room(self, batch: list[tuple[_Work, int]]) -> list[tuple[_Work, int]]:
+        """Grow the KV of each row that would overflow it, preempting the newest requests while the
+        budget cannot give the growth (a row that is itself the newest gives way): the rows left."""
+        budget = self.config.kv_budget_tokens
+        for work, take in batch:
+            slot = self._slots.get(work.key)
+            if slot is None or slot.kv.length + take <= slot.kv.capacity:
+                continue
+            needed = slot.kv.length + take
+            capacity = min(max(slot.kv_tokens, needed), needed + self.config.kv_grow_tokens)
+            more = capacity - slot.kv.capacity
+            while budget and self.kv_used_tokens + more > budget:
+                victim = next(reversed(self._slots))  # the newest admitted loses the least work
+                self._preempt(victim)
+                if victim == work.key:
+                    break
+            if work.key in self._slots:
+                slot.kv.data = self.runner.grown(slot.kv.data, slot.kv.length, capacity)
+                self.kv_used_tokens += more
+                self.grows += 1
+        return [(work, take) for work, take in batch if work.key in self._slots]
+
+    def _preempt(self, key: str) -> None:
+        log.info("preempting %s: the KV budget of %d tokens is full", key, self.config.kv_budget_tokens)
+        self.preemptions += 1
+        self._preempted.add(key)
+        self._free(key, KVPreempted(f"{key} was preempted: the decoder's KV budget "
+                                    f"({self.config.kv_budget_tokens} tokens) is full"))
 
     def _schedule(self) -> list[tuple[_Work, int]]:
         """Decode tokens first (latency), then longer work in arrival order, split to fit the budget."""
         for work in self._work:
             if work.key not in self._slots:
                 work.fed = len(work.feed_ids)  # done with: dropped below
-                _notify(work.future, exc=NotAdmitted(f"{work.key} holds no KV here"))
+                _notify(work.future, exc=KVPreempted(f"{work.key} was preempted") if work.key in self._preempted
+                        else NotAdmitted(f"{work.key} holds no KV here"))
         self._work = [w for w in self._work if w.left and not w.future.cancelled()]
         budget = self.config.max_batch_tokens
         batch: list[tuple[_Work, int]] = []

@@ -176,8 +176,12 @@ class EngineConfig:
 
     max_batch_tokens: int = flag(512, "tokens in one batched forward (decode steps, extend and prefill chunks "
                                       "together)")  # longer work is split across steps
-    kv_budget_tokens: int = flag(65536, "KV positions running requests may reserve together; new requests wait "
+    kv_budget_tokens: int = flag(65536, "KV positions running requests may hold together; new requests wait "
                                         "when full (0: no limit)")
+    kv_grow_tokens: int = flag(256, "a decoding request's KV grows this many positions at a time, up to its "
+                                    "prompt plus max_tokens; when the budget cannot give them, the newest "
+                                    "request is preempted and the gateway restarts it (0: reserve it all at "
+                                    "admission)")
     gather_s: float = 0.005  # after a step, how long to wait for the requests it served to come back
     torch_threads: int = 0  # from ModelConfig's --torch-threads
 
@@ -231,7 +235,7 @@ class PrefillConfig:
         add_flags(p, ModelConfig)
         add_flags(p, CacheConfig, help_prefix="P's prefix cache")
         add_flags(p, cls)
-        add_flags(p, EngineConfig, exclude=("kv_budget_tokens",))
+        add_flags(p, EngineConfig, exclude=("kv_budget_tokens", "kv_grow_tokens"))
         return p
 
     @classmethod
@@ -240,7 +244,8 @@ class PrefillConfig:
         model = from_flags(ModelConfig, ns)
         return from_flags(cls, ns, common=_common(ns, Role.PREFILL), model=model, cache=from_flags(CacheConfig, ns),
                           kv_wire_dtype=ns.kv_wire_dtype or model.dtype,
-                          engine=_engine(ns, kv_budget_tokens=0))  # P has no KV budget flag: no limit
+                          engine=_engine(ns, kv_budget_tokens=0, kv_grow_tokens=0))  # no limit: P's prompts
+                                                                                      # are sized up front
 
 
 @dataclass(frozen=True)
@@ -354,9 +359,9 @@ class GatewayConfig:
     max_prompt_bytes_per_token: int = flag(256, "a prompt of more UTF-8 bytes than the context's tokens times this "
                                                 "cannot fit: refused with 400 before tokenising")
     tokenizer_threads: int = flag(2, "threads that render the chat template and tokenise, off the event loop")
-    default_max_tokens: int = flag(256, "max_tokens of a request that gives none, capped by the context; 0: the "
-                                        "rest of the context, as vLLM (each such request then reserves KV for "
-                                        "the whole context on its decoders)")
+    default_max_tokens: int = flag(0, "max_tokens of a request that gives none, capped by the context; 0: the "
+                                      "rest of the context, as vLLM (decoders grow a request's KV as it decodes, "
+                                      "--kv-grow-tokens)")
     ttft_slo_s: float = flag(2.0, name="ttft-slo-ms", scale=1000)
     relay_min_gain_fraction: float = flag(0.05, "auto picks P-RLD-MD only when RLD's first token is predicted "
                                                 "earlier than MD's by more than this fraction of the TTFT SLO (a "

@@ -49,6 +49,13 @@ class ProtocolError(PddError):
     code = "protocol_error"
 
 
+class KVPreempted(PddError):
+    """A decoder's KV budget could not grow an older request's KV: this one gave its KV up, and the
+    gateway restarts it with the tokens it made (vLLM's recompute preemption)."""
+
+    code = "preempted"
+
+
 class RequestAborted(PddError):
     """The request was aborted (client gone, stop string, or a tier failed)."""
 

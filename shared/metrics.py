@@ -93,7 +93,8 @@ class GatewayMetrics(_RoleMetrics):
         self.live_instances = Gauge("pdd_live_instances", "Instances heard from lately (heartbeats or answered "
                                     "pings)", ["role"], registry=r)
         self.tier_losses = Counter("pdd_tier_losses", "Tiers a request lost, by how: gone (the instance stopped "
-                                   "answering) or failed (it reported the request failed)", ["tier", "cause"],
+                                   "answering), failed (it reported the request failed) or preempted (its KV "
+                                   "budget was full; the request restarts)", ["tier", "cause"],
                                    registry=r)
         self.instances_gone = Counter("pdd_instances_gone", "Instances found dead: a liveness ping nobody was "
                                       "there to answer", ["role"], registry=r)

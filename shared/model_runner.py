@@ -231,6 +231,13 @@ class ModelRunner:
             kv.length += n
         return kv
 
+    def grown(self, data: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
+        """A request's KV data with room for `capacity` positions, its first `length` copied over."""
+        shape = (*data.shape[:3], capacity, data.shape[4])
+        bigger = torch.empty(shape, dtype=data.dtype, device=data.device)
+        bigger[:, :, :, :length] = data[:, :, :, :length]
+        return bigger
+
     @torch.inference_mode()
     def forward_packed(self, rows: list[PackedRow]) -> torch.Tensor:
         """Append each row's tokens to its KV in one forward; logits [kept positions, vocab] in row order:

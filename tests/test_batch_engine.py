@@ -1,6 +1,7 @@
 """The batch engine on the tiny model: batched decoding is token-exact against each request's own
-greedy `generate`, extend-decode fits into shared steps, the KV budget queues admissions, and
-every request's KV is freed exactly once."""
+greedy `generate`, extend-decode fits into shared steps, the KV budget queues admissions, a
+decoding request's KV grows as it goes and the newest request is preempted when growth does not
+fit, and every request's KV is freed exactly once."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from shared.batch_engine import BatchEngine, KVBudgetExceeded
+from shared.batch_engine import BatchEngine, KVBudgetExceeded, KVPreempted
 from shared.config import EngineConfig
 from shared.model_runner import DecodeSequence, ModelRunner, PackedRow
 from shared.models import load_model
@@ -160,12 +161,64 @@ async def test_a_request_larger_than_the_budget_is_refused(runner, prompts):
             await engine.open(seq.request_id, [], seq.kv_tokens_needed, seq)
 
 
+async def test_a_decoding_requests_kv_grows_as_it_decodes(runner, prompts, tiny_generate):
+    """Admission allocates the prompt KV and kv_grow_tokens more; each step that would overflow
+    grows it by as much again, never past prompt plus max_tokens; the budget counts what is allocated."""
+    max_tokens = 30
+    with engine_with(runner, kv_grow_tokens=4) as engine:
+        seqs = [sequence(runner, f"g{i}", prompts[i], max_tokens) for i in (3, 5)]
+        seen: list[tuple[int, int, int]] = []  # (length, capacity, kv_used) after each step
+
+        async def run(seq: DecodeSequence) -> list[int]:
+            try:
+                kv = await engine.open(seq.request_id, prompt_kv(runner, seq.prompt_ids), seq.kv_tokens_needed, seq)
+                assert kv.capacity == len(seq.prompt_ids) - 1 + 4
+                token, finish_reason = await engine.step(seq, [seq.prompt_ids[-1]])
+                while finish_reason is None:
+                    seen.append((kv.length, kv.capacity, engine.kv_used_tokens))
+                    token, finish_reason = await engine.step(seq, [token])
+                assert kv.capacity <= seq.kv_tokens_needed
+                return seq.output_ids
+            finally:
+                engine.release(seq.request_id)
+
+        outputs = await asyncio.gather(*(run(seq) for seq in seqs))
+        assert outputs == [tiny_generate(seq.prompt_ids, max_tokens) for seq in seqs]
+        assert all(length <= capacity <= length + 4 for length, capacity, _ in seen)
+        assert engine.grows >= len(seqs) * ((max_tokens - 4) // 5), "each growth covers the fed token and 4 more"
+        assert engine.stats()["kv_used_tokens"] == 0 and engine.frees == 2
+
+
+async def test_growth_the_budget_cannot_give_preempts_the_newest_request(runner, prompts, tiny_generate):
+    """Two requests fit at admission but not grown to their ends: the newer one is preempted (its
+    waiting step fails with KVPreempted, its KV is freed), the older one finishes token-exact, and the
+    preempted one, restarted with the tokens it made (what the gateway does), ends as if never stopped."""
+    max_tokens = 30
+    older, newer = sequence(runner, "older", prompts[3], max_tokens), sequence(runner, "newer", prompts[5], max_tokens)
+    budget = (len(prompts[3]) - 1 + 4) + (len(prompts[5]) - 1 + 4) + 8  # two growths of room, then full
+    assert budget >= older.kv_tokens_needed and budget >= newer.kv_tokens_needed
+    with engine_with(runner, kv_grow_tokens=4, kv_budget_tokens=budget) as engine:
+        started = asyncio.Event()
+        first = asyncio.create_task(decode(engine, older, prompt_kv(runner, prompts[3]), started=started))
+        await started.wait()
+        with pytest.raises(KVPreempted, match="newer was preempted"):
+            await decode(engine, newer, prompt_kv(runner, prompts[5]))
+        made = list(newer.output_ids)
+        assert 0 < len(made) < max_tokens and engine.preemptions == 1
+        assert await first == tiny_generate(prompts[3], max_tokens)
+        assert engine.stats()["kv_used_tokens"] == 0 and engine.running == 0
+        again = sequence(runner, "newer-again", [*prompts[5], *made], max_tokens - len(made))
+        rest = await decode(engine, again, prompt_kv(runner, again.prompt_ids))
+        assert made + rest == tiny_generate(prompts[5], max_tokens)
+        assert engine.preemptions == 1
+
+
 async def test_kv_is_freed_exactly_once_on_abort(runner, prompts):
     with engine_with(runner, kv_budget_tokens=1000) as engine:
         seq = sequence(runner, "aborted", prompts[4], 500)
         task = asyncio.create_task(decode(engine, seq, prompt_kv(runner, prompts[4])))
         await until(lambda: len(seq.output_ids) >= 3)
-        assert engine.stats()["kv_used_tokens"] == seq.kv_tokens_needed
+        assert engine.stats()["kv_used_tokens"] == seq.kv.capacity == len(prompts[4]) - 1 + 256, "grows as it goes"
         task.cancel()  # the gateway's Abort cancels the request's task
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -12,7 +12,7 @@ from services.gateway.run.attempt import Attempt, AttemptPhase, GenerationReques
 from services.gateway.run.request_run import RequestRun, RunPhase
 from shared import messages, subjects
 from shared.config import CommonConfig, GatewayConfig
-from shared.errors import DeadlineExceeded, PeerGone, RequestAborted
+from shared.errors import DeadlineExceeded, KVPreempted, PeerGone, RequestAborted
 from shared.messages import (
     Handoff,
     HandoffStats,
@@ -263,6 +263,22 @@ async def test_the_fail_policy_fails_the_run_at_the_first_loss():
     with pytest.raises(PeerGone):
         await feed(run, failed(run, Role.MAIN))
     assert run.phase is RunPhase.FAILED and len(dispatch.started) == 1
+
+
+async def test_a_preempted_request_restarts_on_the_same_decoder_under_any_policy_and_limit():
+    """Preemption is load, not a fault: the decoder that preempted stays preferred, the fail policy
+    and --max-migrations do not apply, and the restart continues after the streamed tokens."""
+    dispatch = FakeDispatch(Pipeline.P_MD, Pipeline.P_MD, Pipeline.P_MD)
+    config = dataclasses.replace(CONFIG, failure_policy="fail", max_migrations=0)
+    run, _ = await start_run(dispatch, config=config)
+    await feed(run, chunk(run, 0, [100, 101], Role.MAIN), failed(run, Role.MAIN, KVPreempted.code))
+    await feed(run, failed(run, Role.MAIN, KVPreempted.code))
+    assert [avoid for _, _, avoid in dispatch.started[1:]] == [set(), set()]
+    assert [m["preempted"] for m in run.migrations] == [True, True] and run.phase is RunPhase.RUNNING
+    moved, offset, _ = dispatch.started[2]
+    assert moved.prompt_ids == [*PROMPT, 100, 101] and offset == 2
+    with pytest.raises(PeerGone):  # a real failure still meets the policy
+        await feed(run, failed(run, Role.MAIN))
 
 
 # --- the event loop: messages off the wire, the watchdog ---------------------------------------

@@ -92,6 +92,30 @@ async def test_openai_parse_fills_a_pydantic_model_on_both_pipelines(client):
     assert answers[0] == answers[1]
 
 
+async def test_n_2_chat_choices_with_logprobs_are_the_same_on_both_pipelines(client):
+    """n=2 with a JSON schema and top logprobs: two different valid answers, each choice the same
+    tokens and (within float tolerance) the same logprobs served by MD alone or cut over from RLD."""
+    runs = []
+    for pipeline, extra in (("p-md", {}), ("p-rld-md", {"handoff_at": 4})):
+        result = await client.chat.completions.create(
+            model=MODEL, messages=USER, response_format={"type": "json_schema", "json_schema": {
+                "name": "forecast", "schema": Forecast.model_json_schema(), "strict": True}},
+            n=2, logprobs=True, top_logprobs=2, max_tokens=60, temperature=1.0, seed=5,
+            extra_body={"pdd": {"pipeline": pipeline, **extra}})
+        assert [c.index for c in result.choices] == [0, 1]
+        for choice in result.choices:
+            Forecast.model_validate_json(choice.message.content)
+            assert [t.token for t in choice.logprobs.content] and all(
+                len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+        runs.append(result.choices)
+    md, split = runs
+    assert md[0].message.content != md[1].message.content, "each choice draws with its own seed"
+    for alone, cut in zip(md, split):
+        assert cut.message.content == alone.message.content
+        assert [t.token for t in cut.logprobs.content] == [t.token for t in alone.logprobs.content]
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(alone.logprobs.content, cut.logprobs.content)) < 1e-4
+
+
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_forecast"}}])
 async def test_a_forced_tool_call_is_a_valid_call_across_the_handoff(client, tool_choice):
     calls = []

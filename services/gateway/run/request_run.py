@@ -41,6 +41,7 @@ from shared import bus, messages, subjects, tracing
 from shared.config import GatewayConfig
 from shared.errors import (
     DeadlineExceeded,
+    KVPreempted,
     PddError,
     PeerGone,
     ProtocolError,
@@ -57,7 +58,7 @@ from shared.messages import (
     RequestFailed,
     TokenChunk,
 )
-from shared.names import HandoffMode, Pipeline, Role
+from shared.names import FailurePolicy, HandoffMode, Pipeline, Role
 from shared.sampling import TokenLogprob
 
 if TYPE_CHECKING:
@@ -349,11 +350,17 @@ class RequestRun:
         if role in attempt.lost:
             return
         attempt.lost.add(role)
+        # a preempted request lost nothing to a fault: it is restarted under any policy, and the
+        # restarts are not migrations counted against --max-migrations (the deadline bounds them)
+        preempted = code == KVPreempted.code and not gone
+        how = "gone" if gone else "preempted" if preempted else "failed"
         if self._on_lost is not None:
-            self._on_lost(role, "gone" if gone else "failed")
+            self._on_lost(role, how)
+        failure_migrations = sum(1 for m in self.migrations if not m["preempted"])
         state = RunState(attempt.pipeline, attempt.phase, frozenset(attempt.lost - {role}),
                          len(self.token_ids) - attempt.output_offset, attempt.prefill is not None,
-                         self.config.max_migrations - len(self.migrations), self.failure_policy)
+                         1 if preempted else self.config.max_migrations - failure_migrations,
+                         FailurePolicy.RECOVER if preempted else self.failure_policy)
         action = on_tier_lost(state, role)
         log.warning("%s: %s %s (%s): %s", self.request_id, role, "gone" if gone else "failed the request",
                     message, action.value)
@@ -375,11 +382,11 @@ class RequestRun:
                 mode=HandoffMode.ONE_SHOT))
             self._cut(attempt, len(self.token_ids))
         else:
-            if code != RequestAborted.code:  # "aborted": the instance let the request go, it is not at fault
+            if code not in (RequestAborted.code, KVPreempted.code):  # it let the request go: not at fault
                 self.failed_on.add(attempt.instances[role])
-            await self._migrate(role, message)
+            await self._migrate(role, message, preempted)
 
-    async def _migrate(self, tier: Role, reason: str) -> None:
+    async def _migrate(self, tier: Role, reason: str, preempted: bool = False) -> None:
         """Let the attempt go and dispatch the request again, continuing after the tokens streamed."""
         streamed = list(self.token_ids)
         await self._let_go(self.attempt, "migrated")
@@ -394,8 +401,9 @@ class RequestRun:
             self.attempt = await self._start_attempt(moved, len(streamed), set(self.failed_on), self._on_event)
         except PddError as exc:
             raise self._failed(PeerGone(f"{reason}; could not move the request to another instance: {exc}")) from exc
-        self.migrations.append({"after_tokens": len(streamed), "lost": str(tier), "pipeline": self.attempt.pipeline,
-                                "instances": self.instances, "attempt_id": moved.request_id})
+        self.migrations.append({"after_tokens": len(streamed), "lost": str(tier), "preempted": preempted,
+                                "pipeline": self.attempt.pipeline, "instances": self.instances,
+                                "attempt_id": moved.request_id})
         log.warning("%s: migrated after %d tokens to %s", self.request_id, len(streamed), self.instances)
 
     async def _let_go(self, attempt: Attempt, reason: str) -> None:

@@ -1,0 +1,60 @@
+"""Requests without max_tokens, on real processes with the tiny model: the default is the rest of the
+context, as vLLM's, and MD's KV grows as it decodes instead of being reserved whole. When MD's KV
+budget cannot give a step's growth, the newest request is preempted and the gateway restarts it with
+the tokens it made; every answer is still exactly transformers' `generate`.
+
+MD's budget (2,200 positions) holds one request grown to the whole context (2,048) but not three
+answers of 900 tokens each: they outgrow it together at about 730 positions each.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tools.api_client import stream_completion
+from tools.launcher import LocalStack
+from tools.stack_config import StackConfig
+
+from helpers import fresh_heartbeats, random_prompt
+
+CONTEXT = 2048  # the tiny model's
+PROMPT_TOKENS = 100
+
+
+@pytest.fixture(scope="module")
+async def stack(tmp_path_factory):
+    config = StackConfig(model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1,
+                         pipeline="p-md", startup_timeout_s=120,
+                         extra_args={"main": ["--kv-budget-tokens", "2200", "--kv-grow-tokens", "32"]})
+    async with LocalStack(config) as running:
+        yield running
+
+
+async def test_without_max_tokens_the_answer_runs_to_the_end_of_the_context(stack, session, tiny_generate):
+    prompt = random_prompt(40, PROMPT_TOKENS)
+    result = await stream_completion(session, stack.api_url, {"prompt": prompt, "temperature": 0,
+                                                               "ignore_eos": True})
+    assert result.finish_reason == "length" and len(result.token_ids) == CONTEXT - PROMPT_TOKENS
+    assert result.token_ids == tiny_generate(prompt, CONTEXT - PROMPT_TOKENS)
+    main = (await fresh_heartbeats(stack.nats_url, ("main",)))["main"].stats
+    assert main["kv_grows"] >= (CONTEXT - PROMPT_TOKENS) // (32 + 1), "grown as it decoded, not reserved whole"
+
+
+async def test_growth_past_the_budget_preempts_and_restarts_the_newest_token_exact(stack, session, tiny_generate):
+    before = (await fresh_heartbeats(stack.nats_url, ("main",)))["main"].stats["preemptions"]
+    prompts = [random_prompt(41 + i, PROMPT_TOKENS) for i in range(3)]
+
+    async def complete(prompt: list[int]):
+        body = {"prompt": prompt, "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+        return await stream_completion(session, stack.api_url, body)
+
+    results = await asyncio.gather(*(complete(p) for p in prompts))
+    for prompt, result in zip(prompts, results):
+        assert result.finish_reason == "length"
+        assert result.token_ids == tiny_generate(prompt, 900)
+    restarts = [m for r in results for m in r.summary["migrations"]]
+    assert restarts and all(m["preempted"] and m["lost"] == "main" for m in restarts)
+    after = (await fresh_heartbeats(stack.nats_url, ("main",)))["main"].stats
+    assert after["preemptions"] - before == len(restarts)
+    assert after["kv_used_tokens"] == 0
