@@ -38,7 +38,9 @@ async def test_without_max_tokens_the_answer_runs_to_the_end_of_the_context(stac
     assert result.finish_reason == "length" and len(result.token_ids) == CONTEXT - PROMPT_TOKENS
     assert result.token_ids == tiny_generate(prompt, CONTEXT - PROMPT_TOKENS)
     main = (await fresh_heartbeats(stack.nats_url, ("main",)))["main"].stats
-    assert main["kv_grows"] >= (CONTEXT - PROMPT_TOKENS) // (32 + 1), "grown as it decoded, not reserved whole"
+    # grown as it decoded, not reserved whole: by 32 positions, then by a quarter of what it held
+    # (131 to 2,047 positions is about 12 growths; 32 at a time would be 60)
+    assert 8 <= main["kv_grows"] <= 16, main["kv_grows"]
 
 
 async def test_growth_past_the_budget_preempts_and_restarts_the_newest_token_exact(stack, session, tiny_generate):
