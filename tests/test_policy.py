@@ -48,12 +48,25 @@ def test_a_slow_prefill_with_a_fast_link_goes_p_md() -> None:
     assert decide(1_000, hit=1800, prefill_hit=1000, prefill_tokens_per_s=500) == "p-md"
 
 
+def test_a_session_turns_suffix_crosses_after_p_computed_it() -> None:
+    """A turn of the paper's sessions: P computes its 94 missing tokens (0.78 s at 120 tokens/s on
+    a busy CPU), MD lacks 61 of them; their 2.8 MB leave as one chunk once P is done, 0.22 s at
+    100 Mbit/s. Overlapping the crossing with the compute would have hidden that and picked P-MD."""
+    decision = choose_pipeline(CONFIG, 1213, 128, 1151, KV_BYTES_PER_TOKEN, estimate(100, prefill_tokens_per_s=120),
+                               prefill_hit_tokens=1118)
+    assert decision.pipeline == "p-rld-md"
+    assert abs(decision.predicted_main_ready_s - decision.predicted_relay_ready_s - 61 * KV_BYTES_PER_TOKEN / 12.5e6) < 1e-9
+    long_prompt = choose_pipeline(CONFIG, 2049, 128, 2048 - 600, KV_BYTES_PER_TOKEN, estimate(10_000, 500))
+    assert long_prompt.pipeline == "p-md", "chunk by chunk, a fast link's crossing hides under the compute"
+
+
 def test_the_prediction_counts_what_crosses_what_p_computes_and_the_queues() -> None:
     est = Estimate(10e6, 1000.0, main_queue_s=0.25, relay_queue_s=0.05, prefill_fixed_s=0.1, round_trip_s=0.02)
     decision = choose_pipeline(CONFIG, 1001, 64, 500, 1000, est, prefill_hit_tokens=800)
     assert decision.wan_bytes == 500 * 1000
     compute = 0.1 + 200 / 1000
-    assert abs(decision.predicted_main_ready_s - (0.25 + 0.02 + max(compute, 0.05))) < 1e-9
+    last_chunk_s = 200 * 1000 / 10e6  # the 200 computed tokens are one chunk: it crosses after P is done
+    assert abs(decision.predicted_main_ready_s - (0.25 + 0.02 + max(compute + last_chunk_s, 0.05))) < 1e-9
     assert abs(decision.predicted_relay_ready_s - (0.05 + compute)) < 1e-9
     assert abs(decision.budget_s - (decision.predicted_relay_ready_s + 0.1)) < 1e-9
     assert decision.pipeline == "p-rld-md", "MD's queue makes it 0.22 s later"

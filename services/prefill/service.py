@@ -95,7 +95,7 @@ class PrefillService:
         stats = {"open_transfers": sum(len(job.transfers) for job in self.jobs.values()),
                  "kv_connections": self.sender.open_connections,
                  "aborted_transfers": self.aborted_transfers, "kv_bytes_saved_by_abort": self.kv_bytes_saved_by_abort,
-                 "kv_bytes_per_token": self.kv_bytes_per_token,
+                 "kv_bytes_per_token": self.kv_bytes_per_token, "chunk_tokens": self.config.chunk_tokens,
                  "relay_finished_wan_bytes": self.relay_finished_wan_bytes,
                  "relay_finished_kv_bytes": self.relay_finished_kv_bytes,
                  **(self.cache.gauges() if self.cache is not None else {})}

@@ -29,7 +29,7 @@ from services.gateway.routing.policy import (
 from services.gateway.routing.registry import Instance, InstanceRegistry
 from services.gateway.routing.telemetry import Telemetry
 from services.gateway.run.attempt import Attempt, GenerationRequest
-from services.gateway.run.request_run import RequestRun
+from services.gateway.run.request_run import RequestRun, new_request_id
 from shared import bus, messages, subjects, tracing
 from shared.config import GatewayConfig
 from shared.errors import DeadlineExceeded, PddError, PeerGone
@@ -163,6 +163,9 @@ class Dispatcher:
                 if not busy:
                     self.registry.suspect(failed)
                 avoid.add(failed)
+                # the first try's instances that accepted let it go asynchronously (an Abort): under
+                # its id the retry could find one still holding it ("already assigned here")
+                req = dataclasses.replace(req, request_id=new_request_id())
         raise AssertionError("unreachable")
 
     def _choose_main(self, prompt_ids: list[int], avoid: set[str]) -> tuple[Instance, int] | None:
@@ -205,7 +208,8 @@ class Dispatcher:
             prefill_fixed_s=prefill_model.fixed_s if prefill_model else 0.0,
             round_trip_s=round_trips.get(md.instance_id, 0.0),
             relay_round_trip_s=round_trips.get(relay.heartbeat.instance_id, 0.0) if relay is not None else 0.0,
-            relay_step_s=self.telemetry.step_s(Role.RELAY) or self.config.decode_step_s_guess)
+            relay_step_s=self.telemetry.step_s(Role.RELAY) or self.config.decode_step_s_guess,
+            prefill_chunk_tokens=int(prefill.heartbeat.stats.get("chunk_tokens", 0)) or Estimate.prefill_chunk_tokens)
         kv_bytes_per_token = int(prefill.heartbeat.stats.get("kv_bytes_per_token", 0))
         decision = choose_pipeline(self.policy, len(req.prompt_ids), req.sampling.max_tokens, main_hit,
                                    kv_bytes_per_token, estimate, prefill_hit)

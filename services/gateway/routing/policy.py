@@ -3,7 +3,8 @@ than MD's; P-MD otherwise. Plain logic.
 
 Both first tokens wait for P to compute what *P's own* cache lacks. RLD, next to P, then starts
 at once; MD also waits for the KV *its* cache lacks to cross the WAN (streaming out chunk by
-chunk while P computes, so the two overlap) and for the round trip to it. Each decoder adds its
+chunk while P computes, so the two overlap, except the last computed chunk's KV, which leaves
+after P has finished: all of a session turn's short suffix) and for the round trip to it. Each decoder adds its
 queue and one decode step. The gain of RLD is the difference; a handoff costs a recompute and a
 stall, so RLD is worth it only past `relay_min_gain_s`. In one datacenter the gain is MD's queue
 against RLD's: P-MD unless MD is queued.
@@ -41,6 +42,7 @@ class Estimate:
     round_trip_s: float = 0.0  # gateway <-> MD: the assign's answer, then the KV's last byte, each half of it
     relay_round_trip_s: float = 0.0  # gateway <-> RLD, the same
     relay_step_s: float = 0.05  # one decode step on RLD
+    prefill_chunk_tokens: int = 256  # P computes and sends the KV this many tokens at a time
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,9 @@ def choose_pipeline(config: PolicyConfig, prompt_tokens: int, max_tokens: int, m
     link = estimate.link_bytes_per_s or config.default_link_bytes_per_s
     prefill_rate = estimate.prefill_tokens_per_s or config.default_prefill_tokens_per_s
     compute_s = (estimate.prefill_fixed_s + computed / prefill_rate) if computed else 0.0
-    main_ready = estimate.main_queue_s + estimate.round_trip_s + max(compute_s, wan_bytes / link)
+    last_chunk = min(crossing, computed, estimate.prefill_chunk_tokens)  # crosses once P is done
+    main_ready = (estimate.main_queue_s + estimate.round_trip_s
+                  + max(compute_s + last_chunk * kv_bytes_per_token / link, wan_bytes / link))
     relay_ready = estimate.relay_queue_s + estimate.relay_round_trip_s + compute_s
     budget = relay_ready + config.relay_min_gain_s
     relay_finish = relay_ready + max(0, max_tokens - 1) * estimate.relay_step_s
