@@ -44,6 +44,7 @@ class RequestRecord:
     tokens_by_tier: dict[str, int] = field(default_factory=dict)
     handoff: dict[str, float] | None = None
     prefill_s: float | None = None  # P's own time, when the gateway reports it
+    policy: dict[str, object] | None = None  # the gateway's pipeline choice: reason, predictions, held
 
     @property
     def ttft_s(self) -> float | None:
@@ -69,6 +70,7 @@ def _record_result(rec: RequestRecord, result: StreamResult, e2e_s: float) -> No
     rec.relay_kv_bytes = int((kv.get("relay") or {}).get("kv_bytes", 0))
     rec.tokens_by_tier = {str(k): int(v) for k, v in (summary.get("tokens_by_tier") or {}).items()}
     rec.handoff = result.handoff
+    rec.policy = summary.get("policy")
     if isinstance(prefill, dict) and prefill.get("prefill_s") is not None:
         rec.prefill_s = float(prefill["prefill_s"])
 
