@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_S = 5.0
 MAX_FRAME_BYTES = kv_wire.FRAME_PAYLOAD_BYTES
 PROGRESS_READ_BYTES = 256 * 1024  # the most a receiver reads at once inside one frame
+LINK_SAMPLE_MIN_BYTES = 1024 * 1024  # a smaller transfer can arrive from buffers faster than the link
 KEEPALIVE_MAX_S = 1.0  # an idle transfer speaks at least this often, whatever the stall timeout
 ABORT_FRAME_TIMEOUT_S = 1.0
 _TIOCOUTQ = getattr(termios, "TIOCOUTQ", None)  # a socket's unsent + unacknowledged bytes (Linux)
@@ -141,6 +142,7 @@ class KVInbox(_StateMachine):
         self.bytes_received = 0
         self.keepalives = 0
         self.first_frame_at: float | None = None
+        self._payload_spans: list[tuple[float, float]] = []  # (start, end) of reading each DATA payload
         self._links: set[InboundLink] = set()  # every connection that carried a frame of this request
         self.done_at: float | None = None
         self.error: PddError | None = None
@@ -168,6 +170,25 @@ class KVInbox(_StateMachine):
         self.bytes_received += header.payload_len
         if self._cells_filled >= self._cells_needed:
             self._finish()
+
+    def payload_read(self, started_at: float, ended_at: float) -> None:
+        """A DATA frame's payload took [started_at, ended_at] (monotonic) to come in."""
+        self._payload_spans.append((started_at, ended_at))
+
+    @property
+    def link_bytes_per_s(self) -> float | None:
+        """The rate the KV arrived at while it arrived: payload bytes over the time any payload was
+        coming in (the union of the frames' reads, so P's compute between chunks does not count).
+        What P measures as its writes complete says more about buffers than the link; this is the
+        link. None below LINK_SAMPLE_MIN_BYTES, which buffers alone could deliver."""
+        if self.bytes_received < LINK_SAMPLE_MIN_BYTES:
+            return None
+        busy_s, reach = 0.0, float("-inf")
+        for start, end in sorted(self._payload_spans):
+            if end > reach:
+                busy_s += end - max(start, reach)
+                reach = end
+        return self.bytes_received / busy_s if busy_s > 0 else None
 
     def heard_on(self, link: InboundLink) -> None:
         """A frame for this request arrived on `link`: from now on its bytes are this transfer's progress."""
@@ -372,7 +393,9 @@ class KVReceiver:
         if header.kind is kv_wire.FrameKind.ABORT:
             inbox.abort("sender aborted")
         elif header.kind is kv_wire.FrameKind.DATA:
+            started_at = time.monotonic()
             payload = await self._read_steadily(reader, header.payload_len, link, keep=True)
+            inbox.payload_read(started_at, time.monotonic())
             try:
                 inbox.accept(header, await asyncio.to_thread(kv_wire.payload_to_tensor, header, payload))  # crc32
             except ProtocolError as exc:

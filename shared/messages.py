@@ -169,6 +169,7 @@ class KVReceived:
     kv_tokens: int  # prompt tokens whose KV came over the socket
     kv_bytes: int
     kv_wait_s: float
+    link_bytes_per_s: float | None = None  # the rate the KV arrived at (None: too little to tell)
 
 
 @dataclass(frozen=True)

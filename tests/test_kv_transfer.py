@@ -419,3 +419,26 @@ async def test_a_silent_connection_stalls_its_requests_while_another_connection_
         cut.abort("test over")
         await cut_sender.close()
     await live_sender.close()
+
+
+async def test_the_receiver_measures_the_link_not_the_pauses_between_chunks(receiver: KVReceiver) -> None:
+    """Four 1 MiB chunks over a 4 MiB/s link with P's compute (1 s) between them: the inbox's rate
+    counts only the time payload was arriving, so it is the link's (about 4 MiB/s, within this
+    machine's scheduling noise), where bytes over the whole transfer would say under half of it."""
+    sender = KVSender(LAYOUT, torch.float32, 2.0)
+    kv = torch.randn(4, 2, 2, 4096, 16)  # 1 KiB per token: 4 MiB
+    rid = _rid()
+    inbox = receiver.expect(rid, 0, 4096)
+    async with LoopbackLink(receiver.port, bytes_per_s=4 * MIB) as link:
+        transfer = OutgoingTransfer(sender, KVTarget(Role.MAIN, "127.0.0.1", link.listen_port), rid, 0, deadline_s=30)
+        for start in range(0, 4096, 1024):
+            if start:
+                await asyncio.sleep(1.0)
+            await transfer.put(start, kv[:, :, :, start:start + 1024])
+        await transfer.finish()
+        assert torch.equal(await inbox.wait(30), kv)
+    whole_s = inbox.done_at - inbox.first_frame_at
+    assert inbox.bytes_received / whole_s < 2 * MIB, "the pauses are most of the transfer"
+    assert 2 * MIB < inbox.link_bytes_per_s < 6 * MIB, inbox.link_bytes_per_s / MIB
+    assert receiver.expect(_rid(), 0, 16).link_bytes_per_s is None, "under 1 MiB: buffers could deliver it"
+    await sender.close()

@@ -200,6 +200,19 @@ async def test_kv_transfer_takes_the_time_the_link_arithmetic_says(
     assert measured[(5.0, 50.0)][0] > 1.5 * measured[(20.0, 20.0)][0], measured
 
 
+async def test_the_policy_predicts_with_the_rate_md_saw_the_kv_arrive_at(
+        wan: LocalStack, session: aiohttp.ClientSession) -> None:
+    """P's KV writes complete into buffers (its kernel's alone hold megabytes on loopback), so the
+    rate P sees is not the line's; MD times the KV as it arrives, and the next request's prediction
+    (`pdd.policy.link_bytes_per_s`) uses that: 20 Mbit/s here, within the machine's noise."""
+    await wan.wan.set_link(bandwidth_mbps=20.0, delay_ms=20.0)
+    first = await complete(session, wan, random_prompt(200, 1500), 2, pipeline="p-md")  # 1.5 MB cross
+    second = await complete(session, wan, random_prompt(201, 1500), 2, pipeline="p-md")
+    line = 20e6 / 8
+    seen = [r.summary["policy"]["link_bytes_per_s"] for r in (first, second)]
+    assert 0.5 * line <= seen[1] <= 1.5 * line, [s and s / line for s in seen]
+
+
 # What the client hears when the link is cut mid-transfer under the `fail` policy. Nothing from B crosses a cut link, so
 # MD's own stall error never arrives; the request fails in A: by P if it still had KV to write (its
 # write stalls, or its connection is reset), else by the gateway's watchdog once MD's heartbeats

@@ -149,7 +149,7 @@ class DecoderService:
                 self.metrics.kv_wait.observe(time.monotonic() - request.assigned_at)
                 await bus.publish(self.nc, request.events_subject, KVReceived(
                     request.request_id, self.name, inbox.token_start, inbox.token_end - inbox.token_start,
-                    inbox.bytes_received, time.monotonic() - request.assigned_at))
+                    inbox.bytes_received, time.monotonic() - request.assigned_at, inbox.link_bytes_per_s))
                 parts = await self.role.assemble_kv(request, kv)
                 request.move(Phase.ADMITTING)
                 submitted_ns = time.time_ns()

@@ -39,6 +39,7 @@ from shared.messages import (
     DecodeAssign,
     HandoffStats,
     Heartbeat,
+    KVReceived,
     KVTarget,
     PrefillAccepted,
     PrefillDone,
@@ -105,6 +106,10 @@ class Dispatcher:
                 await self._warm_prefill(entry[0], answer)
         elif isinstance(event, HandoffStats):
             self._main_started.add(request_id)
+        elif isinstance(event, KVReceived) and event.link_bytes_per_s and event.tier == Role.MAIN:
+            instances = entry[0].instances
+            if Role.PREFILL in instances and Role.MAIN in instances:
+                self.telemetry.observe_link(instances[Role.PREFILL], instances[Role.MAIN], event.link_bytes_per_s)
         await entry[1](msg)
 
     async def _warm_prefill(self, attempt: Attempt, answer: list[int]) -> None:
@@ -201,7 +206,7 @@ class Dispatcher:
         prefill_model = self.telemetry.prefill
         round_trips = self.telemetry.round_trip_s
         estimate = Estimate(
-            link_bytes_per_s=prefill.heartbeat.link_bytes_per_s.get(f"{md.kv_host}:{md.kv_port}"),
+            link_bytes_per_s=self._link_bytes_per_s(prefill.heartbeat, md),
             prefill_tokens_per_s=prefill_model.tokens_per_s if prefill_model else None,
             main_queue_s=self._queue_s(main, Role.MAIN),
             relay_queue_s=self._queue_s(relay, Role.RELAY) if relay is not None else NO_RELAY_S,
@@ -226,6 +231,12 @@ class Dispatcher:
             self._watches[req.request_id] = (RelayWatch.of(decision, self.policy, estimate, req.sampling.max_tokens),
                                              prefill.heartbeat.instance_id)
         return decision
+
+    def _link_bytes_per_s(self, prefill: Heartbeat, main: Heartbeat) -> float | None:
+        """P to MD: the rate MD saw KV arrive at; before any, the rate P saw its writes complete at
+        (which buffers along the way inflate)."""
+        return (self.telemetry.link_bytes_per_s.get((prefill.instance_id, main.instance_id))
+                or prefill.link_bytes_per_s.get(f"{main.kv_host}:{main.kv_port}"))
 
     def _plan(self, req: GenerationRequest, avoid: set[str]) -> tuple[PipelineDecision, dict[Role, Instance]]:
         """The pipeline and an instance per role in it. With no MD reachable (all dead, or the WAN
@@ -370,8 +381,7 @@ class Dispatcher:
         self.metrics.pipeline_decisions.labels(decision.pipeline, decision.reason).inc()
         prefill = chosen[Role.PREFILL].heartbeat
         main = chosen.get(Role.MAIN)
-        link = (prefill.link_bytes_per_s.get(f"{main.heartbeat.kv_host}:{main.heartbeat.kv_port}")
-                if main is not None else None)
+        link = self._link_bytes_per_s(prefill, main.heartbeat) if main is not None else None
         tracing.record_span(self.tracer, "gateway.policy", started_ns, time.time_ns(), {
             "pdd.request_id": req.request_id, "pdd.pipeline": decision.pipeline, "pdd.policy_reason": decision.reason,
             "pdd.pipeline_requested": req.pipeline or self.config.default_pipeline,

@@ -57,6 +57,7 @@ class PipelineDecision:
     prefill_hit_tokens: int = 0
     predicted_relay_finish_s: float = NO_RELAY_S  # RLD's last token, were it to make them all
     hold_main_kv: bool = False  # P holds MD's KV back: RLD is predicted to finish before it could arrive
+    link_bytes_per_s: float = 0.0  # the P -> MD rate the prediction assumed
 
 
 def choose_pipeline(config: PolicyConfig, prompt_tokens: int, max_tokens: int, main_hit_tokens: int,
@@ -77,7 +78,7 @@ def choose_pipeline(config: PolicyConfig, prompt_tokens: int, max_tokens: int, m
 
     def decided(pipeline: Pipeline, reason: str, hold: bool = False) -> PipelineDecision:
         return PipelineDecision(pipeline, reason, main_hit_tokens, wan_bytes, main_ready, budget, relay_ready,
-                                prefill_hit_tokens, relay_finish, hold)
+                                prefill_hit_tokens, relay_finish, hold, link)
 
     if main_ready <= budget:
         return decided(Pipeline.P_MD, "MD starts about as soon as RLD could")

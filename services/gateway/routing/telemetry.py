@@ -3,6 +3,7 @@
 - P's prefill time as a fixed cost plus a per-token cost, fitted by least squares to P's recent
   PrefillDone reports (a rate alone would call a 30-token prefill nearly free, which it is not).
 - The round trip to each instance, from the liveness pings (services/gateway/routing/liveness.py).
+- The KV link from each P to each MD: the rate MD saw the KV arrive at (KVReceived), smoothed.
 - One decode step per tier (RLD, MD): the median gap between two tokens of one request from that
   tier, over its recent tokens (a median, so a handoff or a queue wait does not count as a step).
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 PREFILL_SAMPLES = 64
 STEP_SAMPLES = 256
 RTT_ALPHA = 0.2
+LINK_ALPHA = 0.3
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class Telemetry:
         self._prefills: deque[tuple[int, float]] = deque(maxlen=PREFILL_SAMPLES)
         self.prefill: PrefillModel | None = None
         self.round_trip_s: dict[str, float] = {}  # instance id -> smoothed ping round trip
+        self.link_bytes_per_s: dict[tuple[str, str], float] = {}  # (P, decoder) instance ids -> smoothed rate
         self._steps: dict[str, deque[float]] = {}  # tier -> recent gaps per token
         self._last_chunk: dict[str, dict[str, float]] = {}  # request id -> tier -> when its last tokens came
 
@@ -62,6 +65,11 @@ class Telemetry:
     def observe_round_trip(self, instance_id: str, seconds: float) -> None:
         old = self.round_trip_s.get(instance_id)
         self.round_trip_s[instance_id] = seconds if old is None else old + RTT_ALPHA * (seconds - old)
+
+    def observe_link(self, prefill_id: str, decoder_id: str, bytes_per_s: float) -> None:
+        key = (prefill_id, decoder_id)
+        old = self.link_bytes_per_s.get(key)
+        self.link_bytes_per_s[key] = bytes_per_s if old is None else old + LINK_ALPHA * (bytes_per_s - old)
 
     def observe_tokens(self, request_id: str, tier: str, tokens: int, at_s: float) -> None:
         """A chunk of `tokens` tokens of one request from `tier` arrived at `at_s` (monotonic)."""

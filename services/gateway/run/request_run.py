@@ -442,6 +442,8 @@ class RequestRun:
         main_kv = self.kv_received.get(Role.MAIN)
         return {"reason": decision.reason, "main_hit_predicted": decision.main_hit_tokens,
                 "wan_bytes_predicted": decision.wan_bytes, "main_kv_held": decision.hold_main_kv,
+                "link_bytes_per_s": decision.link_bytes_per_s or None,
+                "relay_ready_predicted_s": round(decision.predicted_relay_ready_s, 6),
                 "main_ready_predicted_s": round(decision.predicted_main_ready_s, 6),
                 "main_ready_actual_s": None if main_kv is None else round(main_kv.kv_wait_s, 6),
                 "ttft_budget_s": decision.budget_s}
