@@ -5,9 +5,10 @@ tokens first, then extend and prefill tokens, split to fit `max_batch_tokens`), 
 forward over it and resolves each caller's asyncio future on its own loop. The engine also owns
 the KV: a budget of tokens, admission in arrival order while the budget has room, and exactly one
 free per request. A decoding request's KV grows as it decodes, by `kv_grow_tokens` or a quarter of
-what it holds (so a default max_tokens of the whole context costs only what is used); when a step's growth does not fit
-the budget, the newest requests are preempted (KVPreempted, as vLLM does: the gateway restarts them
-with the tokens they made). asyncio code never runs a forward; it awaits futures.
+what it holds (so a default max_tokens of the whole context costs only what is used); when a
+step's growth does not fit the budget, the newest requests are preempted (KVPreempted, as vLLM
+does: the gateway restarts them with the tokens they made). asyncio code never runs a forward; it
+awaits futures.
 """
 from __future__ import annotations
 
@@ -375,8 +376,8 @@ class BatchEngine:
             slot = self._slots.get(work.key)
             if slot is None or slot.kv.length + take <= slot.kv.capacity:
                 continue
-            needed = slot.kv.length + take  # room for the step, then kv_grow_tokens or a quarter more,
-            more_room = max(self.config.kv_grow_tokens, slot.kv.length // 4)  # so long answers copy rarely
+            needed = slot.kv.length + take
+            more_room = max(self.config.kv_grow_tokens, slot.kv.length // 4)  # long answers copy rarely
             capacity = min(max(slot.kv_tokens, needed), needed + more_room)
             more = capacity - slot.kv.capacity
             while budget and self.kv_used_tokens + more > budget:

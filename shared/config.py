@@ -179,9 +179,9 @@ class EngineConfig:
     kv_budget_tokens: int = flag(65536, "KV positions running requests may hold together; new requests wait "
                                         "when full (0: no limit)")
     kv_grow_tokens: int = flag(256, "a decoding request's KV grows this many positions at a time (or a quarter "
-                                    "of what it holds, if more), up to its prompt plus max_tokens; when the budget cannot give them, the newest "
-                                    "request is preempted and the gateway restarts it (0: reserve it all at "
-                                    "admission)")
+                                    "of what it holds, if more), up to its prompt plus max_tokens; when the "
+                                    "budget cannot give them, the newest request is preempted and the gateway "
+                                    "restarts it (0: reserve it all at admission)")
     gather_s: float = 0.005  # after a step, how long to wait for the requests it served to come back
     torch_threads: int = 0  # from ModelConfig's --torch-threads
 

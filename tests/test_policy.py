@@ -55,7 +55,8 @@ def test_a_session_turns_suffix_crosses_after_p_computed_it() -> None:
     decision = choose_pipeline(CONFIG, 1213, 128, 1151, KV_BYTES_PER_TOKEN, estimate(100, prefill_tokens_per_s=120),
                                prefill_hit_tokens=1118)
     assert decision.pipeline == "p-rld-md"
-    assert abs(decision.predicted_main_ready_s - decision.predicted_relay_ready_s - 61 * KV_BYTES_PER_TOKEN / 12.5e6) < 1e-9
+    crossing_s = 61 * KV_BYTES_PER_TOKEN / 12.5e6
+    assert abs(decision.predicted_main_ready_s - decision.predicted_relay_ready_s - crossing_s) < 1e-9
     long_prompt = choose_pipeline(CONFIG, 2049, 128, 2048 - 600, KV_BYTES_PER_TOKEN, estimate(10_000, 500))
     assert long_prompt.pipeline == "p-md", "chunk by chunk, a fast link's crossing hides under the compute"
 

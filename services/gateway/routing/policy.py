@@ -4,8 +4,8 @@ than MD's; P-MD otherwise. Plain logic.
 Both first tokens wait for P to compute what *P's own* cache lacks. RLD, next to P, then starts
 at once; MD also waits for the KV *its* cache lacks to cross the WAN (streaming out chunk by
 chunk while P computes, so the two overlap, except the last computed chunk's KV, which leaves
-after P has finished: all of a session turn's short suffix) and for the round trip to it. Each decoder adds its
-queue and one decode step. The gain of RLD is the difference; a handoff costs a recompute and a
+after P has finished: all of a session turn's short suffix) and for the round trip to it. Each
+decoder adds its queue and one decode step. The gain of RLD is the difference; a handoff costs a recompute and a
 stall, so RLD is worth it only past `relay_min_gain_s`. In one datacenter the gain is MD's queue
 against RLD's: P-MD unless MD is queued.
 

@@ -63,13 +63,10 @@ class Telemetry:
         self.prefill = fit_prefill(list(self._prefills))
 
     def observe_round_trip(self, instance_id: str, seconds: float) -> None:
-        old = self.round_trip_s.get(instance_id)
-        self.round_trip_s[instance_id] = seconds if old is None else old + RTT_ALPHA * (seconds - old)
+        _smooth(self.round_trip_s, instance_id, seconds, RTT_ALPHA)
 
     def observe_link(self, prefill_id: str, decoder_id: str, bytes_per_s: float) -> None:
-        key = (prefill_id, decoder_id)
-        old = self.link_bytes_per_s.get(key)
-        self.link_bytes_per_s[key] = bytes_per_s if old is None else old + LINK_ALPHA * (bytes_per_s - old)
+        _smooth(self.link_bytes_per_s, (prefill_id, decoder_id), bytes_per_s, LINK_ALPHA)
 
     def observe_tokens(self, request_id: str, tier: str, tokens: int, at_s: float) -> None:
         """A chunk of `tokens` tokens of one request from `tier` arrived at `at_s` (monotonic)."""
@@ -87,3 +84,9 @@ class Telemetry:
         """The median gap between two tokens from `tier`; None before any."""
         gaps = self._steps.get(tier)
         return statistics.median(gaps) if gaps else None
+
+
+def _smooth(averages: dict, key: object, sample: float, alpha: float) -> None:
+    """An exponential moving average per key; the first sample starts it."""
+    old = averages.get(key)
+    averages[key] = sample if old is None else old + alpha * (sample - old)

@@ -13,7 +13,9 @@ With the `recover` policy:
 - P lost once its KV is out, RLD lost after the cut, or MD lost once RLD finishes alone: nothing
   to do, they were finished (or let go).
 Migrations are limited per request (--max-migrations). Everything else, and everything under
-the `fail` policy, ends the request with a terminal error.
+the `fail` policy, ends the request with a terminal error. A tier that preempted the request (its
+KV budget was full) is load, not a fault: the same recovery applies under either policy, and its
+migrations do not count against the limit (the request deadline bounds them).
 """
 from __future__ import annotations
 
@@ -45,9 +47,9 @@ class RunState:
     policy: FailurePolicy
 
 
-def on_tier_lost(state: RunState, tier: Role) -> Action:
+def on_tier_lost(state: RunState, tier: Role, preempted: bool = False) -> Action:
     action = _recovery(state, tier)
-    if action is Action.IGNORE:
+    if action is Action.IGNORE or preempted:
         return action
     if state.policy != FailurePolicy.RECOVER or (action is Action.MIGRATE and state.migrations_left <= 0):
         return Action.FAIL

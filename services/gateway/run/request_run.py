@@ -58,7 +58,7 @@ from shared.messages import (
     RequestFailed,
     TokenChunk,
 )
-from shared.names import FailurePolicy, HandoffMode, Pipeline, Role
+from shared.names import HandoffMode, Pipeline, Role
 from shared.sampling import TokenLogprob
 
 if TYPE_CHECKING:
@@ -350,8 +350,6 @@ class RequestRun:
         if role in attempt.lost:
             return
         attempt.lost.add(role)
-        # a preempted request lost nothing to a fault: it is restarted under any policy, and the
-        # restarts are not migrations counted against --max-migrations (the deadline bounds them)
         preempted = code == KVPreempted.code and not gone
         how = "gone" if gone else "preempted" if preempted else "failed"
         if self._on_lost is not None:
@@ -359,11 +357,9 @@ class RequestRun:
         failure_migrations = sum(1 for m in self.migrations if not m["preempted"])
         state = RunState(attempt.pipeline, attempt.phase, frozenset(attempt.lost - {role}),
                          len(self.token_ids) - attempt.output_offset, attempt.prefill is not None,
-                         1 if preempted else self.config.max_migrations - failure_migrations,
-                         FailurePolicy.RECOVER if preempted else self.failure_policy)
-        action = on_tier_lost(state, role)
-        log.warning("%s: %s %s (%s): %s", self.request_id, role, "gone" if gone else "failed the request",
-                    message, action.value)
+                         self.config.max_migrations - failure_migrations, self.failure_policy)
+        action = on_tier_lost(state, role, preempted)
+        log.warning("%s: %s %s (%s): %s", self.request_id, role, how, message, action.value)
         if action is Action.IGNORE:
             return
         if action is Action.FAIL:
