@@ -20,6 +20,7 @@ from transformers.integrations.sdpa_attention import (
 )
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from shared.cpu_linears import pack_linears
 from shared.sampling import SamplingParams, SamplingRow, TokenLogprob
 
 if TYPE_CHECKING:
@@ -217,6 +218,7 @@ class ModelRunner:
         heads = model.config.num_attention_heads
         self.head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // heads
         model.set_attn_implementation(ATTENTION)
+        self.packed_linears = pack_linears(model)  # bfloat16 on a CPU: same outputs, weights reordered once
 
     def new_kv(self, capacity: int, parts: Sequence[torch.Tensor] = ()) -> SequenceKV:
         """Room for `capacity` positions, starting with parts [layers, 2, kv_heads, tokens, head_dim] in order."""

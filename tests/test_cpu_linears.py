@@ -1,0 +1,40 @@
+"""Packed linears: a bfloat16 model computes the same logits with its weights reordered once."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shared.cpu_linears import PackedLinear, pack_linears
+from shared.model_runner import ModelRunner
+from shared.models import load_model
+
+
+def test_a_bfloat16_model_gives_bit_identical_logits_after_packing(tiny_path) -> None:
+    plain = load_model(tiny_path, "bfloat16", "cpu")
+    packed = load_model(tiny_path, "bfloat16", "cpu")
+    linears = sum(type(m) is nn.Linear for m in packed.modules())
+    assert pack_linears(packed) == linears > 0
+    assert not any(type(m) is nn.Linear for m in packed.modules())
+    ids = torch.tensor([[5, 17, 99, 3, 250, 8, 41]])
+    with torch.inference_mode():
+        for rows in (ids[:, :1], ids):  # a decode-sized call and a prefill-sized one
+            assert torch.equal(packed(rows).logits, plain(rows).logits)
+
+
+def test_packing_keeps_a_shared_weight_and_drops_the_others() -> None:
+    embed = nn.Embedding(32, 16, dtype=torch.bfloat16)
+    model = nn.Sequential(embed, nn.Linear(16, 16, dtype=torch.bfloat16), nn.Linear(16, 32, bias=False,
+                                                                                     dtype=torch.bfloat16))
+    model[2].weight = embed.weight  # a tied LM head
+    assert pack_linears(model) == 2
+    assert not hasattr(model[1], "weight") and model[1].bias is not None
+    assert model[2].weight is embed.weight
+    x = torch.tensor([[1, 2, 3]])
+    with torch.inference_mode():
+        assert model(x).shape == (1, 3, 32)
+
+
+def test_float32_models_are_left_as_transformers_runs_them(tiny_path) -> None:
+    runner = ModelRunner(load_model(tiny_path, "float32", "cpu"))
+    assert runner.packed_linears == 0
+    assert not any(isinstance(m, PackedLinear) for m in runner.model.modules())
