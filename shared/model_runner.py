@@ -55,9 +55,10 @@ class SequenceKV:
             self._layers = [(kv[0].unsqueeze(0), kv[1].unsqueeze(0)) for kv in self._data.unbind(0)]
         return self._layers[index]
 
-    def slice(self, start: int, end: int) -> torch.Tensor:
-        """A copy of positions [start, end) as [layers, 2, kv_heads, tokens, head_dim]."""
-        return self.data[:, :, :, start:end].clone()
+    def slice(self, start: int, end: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A copy of positions [start, end) as [layers, 2, kv_heads, tokens, head_dim], in `dtype` if given."""
+        part = self.data[:, :, :, start:end]
+        return part.clone() if dtype is None or dtype == part.dtype else part.to(dtype)
 
 
 @dataclass
@@ -217,19 +218,25 @@ class ModelRunner:
         self.kv_heads = model.config.num_key_value_heads or model.config.num_attention_heads
         heads = model.config.num_attention_heads
         self.head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // heads
+        # A half-precision model on a CPU attends in float32 (_attend); its KV is kept in float32 too,
+        # so no step converts a request's whole KV again. Every value is the model's own rounding
+        # (K and V come out of its projections in its dtype, received KV is rounded to it first), so
+        # this changes no result, only memory (KV bytes as a float32 model's) and speed.
+        upcast = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
+        self.kv_dtype = torch.float32 if upcast else self.dtype
         model.set_attn_implementation(ATTENTION)
         self.packed_linears = pack_linears(model)  # bfloat16 on a CPU: same outputs, weights reordered once
 
     def new_kv(self, capacity: int, parts: Sequence[torch.Tensor] = ()) -> SequenceKV:
         """Room for `capacity` positions, starting with parts [layers, 2, kv_heads, tokens, head_dim] in order."""
-        data = torch.empty((self.num_layers, 2, self.kv_heads, capacity, self.head_dim), dtype=self.dtype,
+        data = torch.empty((self.num_layers, 2, self.kv_heads, capacity, self.head_dim), dtype=self.kv_dtype,
                            device=self.device)
         kv = SequenceKV(data)
         for part in parts:
             n = part.shape[3]
             if kv.length + n > capacity:
                 raise ValueError(f"{kv.length + n} KV positions do not fit a capacity of {capacity}")
-            data[:, :, :, kv.length:kv.length + n] = part
+            data[:, :, :, kv.length:kv.length + n] = part.to(self.dtype)  # the model's rounding, then kept
             kv.length += n
         return kv
 

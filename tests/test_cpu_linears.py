@@ -38,3 +38,17 @@ def test_float32_models_are_left_as_transformers_runs_them(tiny_path) -> None:
     runner = ModelRunner(load_model(tiny_path, "float32", "cpu"))
     assert runner.packed_linears == 0
     assert not any(isinstance(m, PackedLinear) for m in runner.model.modules())
+
+
+def test_a_bfloat16_model_on_a_cpu_keeps_its_kv_in_float32_holding_bfloat16_values(tiny_path) -> None:
+    """Attention runs in float32 there anyway: the KV is kept upcast once, not on every step. Every
+    value is still the model's own bfloat16 rounding, and what leaves the runner is bfloat16."""
+    runner = ModelRunner(load_model(tiny_path, "bfloat16", "cpu"))
+    assert runner.kv_dtype == torch.float32
+    kv = runner.new_kv(16)
+    runner.forward(kv, [5, 17, 99, 3])
+    out = kv.slice(0, 4, runner.dtype)
+    assert out.dtype == torch.bfloat16 and torch.equal(out.float(), kv.data[:, :, :, :4])
+    received = torch.randn(runner.num_layers, 2, runner.kv_heads, 3, runner.head_dim)  # a float32 P's KV
+    kept = runner.new_kv(8, [received])
+    assert torch.equal(kept.data[:, :, :, :3], received.to(torch.bfloat16).float()), "rounded to the model's dtype"
