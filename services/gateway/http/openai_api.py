@@ -553,7 +553,7 @@ class _Choices:
             request_id=request_id, prompt_ids=list(parsed.prompt_ids), sampling=sampling,
             pipeline=parsed.pipeline, handoff_at=parsed.handoff_at, md_kv_delay_s=parsed.md_kv_delay_s,
             handoff_mode=parsed.handoff_mode, failure_policy=parsed.failure_policy, deadline_at=self._deadline_at,
-            prompt_logprobs=parsed.prompt_logprobs))
+            prompt_logprobs=parsed.prompt_logprobs, max_tokens_param=parsed.max_tokens_param))
         log.info("%s: %s, %d prompt tokens, max_tokens %d, pipeline %s, stream %s", request_id, parsed.kind,
                  len(parsed.prompt_ids), sampling.max_tokens, run.pipeline, parsed.stream)
         generation = _Generation(run, parsed, handlers._tokenizer, handlers._config)

@@ -75,6 +75,7 @@ class ParsedRequest:
     failure_policy: FailurePolicy | None = None
     tools: ToolRequest | None = None  # chat: the tools offered and tool_choice; the answer may hold calls
     n: int = 1  # choices: choice i samples with choice_seed(seed, i)
+    max_tokens_param: str | None = None  # the field the client limited the answer with; None: the default
 
     @property
     def prompt_logprobs(self) -> int | None:
@@ -300,6 +301,8 @@ def _parse_generation(fields: Mapping[str, object], kind: str, prompt_ids: list[
         stream=stream, include_usage=stream and _bool(stream_options, "include_usage", "stream_options."),
         pipeline=pipeline, handoff_at=handoff_at, md_kv_delay_s=md_kv_delay_s, handoff_mode=handoff_mode,
         failure_policy=failure_policy, tools=tools, n=n,
+        max_tokens_param=next((name for name in ("max_completion_tokens", "max_tokens")
+                               if fields.get(name) is not None), None),
     )
 
 

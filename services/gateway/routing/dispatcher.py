@@ -32,7 +32,7 @@ from services.gateway.run.attempt import Attempt, GenerationRequest
 from services.gateway.run.request_run import RequestRun, new_request_id
 from shared import bus, messages, subjects, tracing
 from shared.config import GatewayConfig
-from shared.errors import DeadlineExceeded, PddError, PeerGone
+from shared.errors import BadRequest, DeadlineExceeded, InvalidParam, PddError, PeerGone
 from shared.messages import (
     Abort,
     DecodeAccepted,
@@ -276,6 +276,12 @@ class Dispatcher:
             return await self._dispatch_prefill_only(req, avoid, on_event)
         policy_started_ns = time.time_ns()
         decision, chosen = self._plan(req, avoid)
+        try:
+            req = fit_kv_budget(req, [chosen[role] for role in (Role.MAIN, Role.RELAY) if role in chosen])
+        except BadRequest:
+            for instance in chosen.values():
+                self.registry.done(instance.heartbeat.instance_id)
+            raise
         pipeline = decision.pipeline
         self._record_policy(req, chosen, decision, policy_started_ns)
         attempt = Attempt(req, output_offset, pipeline, decision,
@@ -406,6 +412,28 @@ class Dispatcher:
         except (PeerGone, DeadlineExceeded) as exc:
             exc.instance_id = instance_id
             raise
+
+
+def fit_kv_budget(req: GenerationRequest, decoders: list[Instance]) -> GenerationRequest:
+    """The request as the decoders can hold it: each allocates a position per fed token (the prompt's
+    and all outputs but the last), within its `--kv-budget-tokens` (0: none), and refuses a request
+    that could outgrow it. The gateway's default max_tokens (the rest of the context) is lowered to
+    fit; a prompt, or a max_tokens the client set, that cannot fit is the client's 400, not a
+    decoder's failure to retry."""
+    budgets = [int(d.heartbeat.stats.get("kv_budget_tokens", 0)) for d in decoders]
+    limit = min((b for b in budgets if b > 0), default=0)
+    prompt_tokens, max_tokens = len(req.prompt_ids), req.sampling.max_tokens
+    if not limit or prompt_tokens + max_tokens - 1 <= limit:
+        return req
+    if prompt_tokens > limit:
+        raise BadRequest(f"the prompt's {prompt_tokens} tokens do not fit the decoders' KV budget of {limit} "
+                         "positions (--kv-budget-tokens)")
+    room = limit + 1 - prompt_tokens
+    if req.max_tokens_param is not None:
+        raise InvalidParam(req.max_tokens_param, f"{req.max_tokens_param}={max_tokens} plus the prompt's "
+                                                 f"{prompt_tokens} tokens does not fit the decoders' KV budget of "
+                                                 f"{limit} positions (--kv-budget-tokens): at most {room}")
+    return dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, max_tokens=room))
 
 
 def _predictions(decision: PipelineDecision) -> dict[str, float | int]:

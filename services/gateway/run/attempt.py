@@ -60,6 +60,8 @@ class GenerationRequest:
     deadline_at: float | None = None  # time.monotonic() the request must end by (it may have queued at
     # admission); None: --request-timeout-s after its run starts
     prompt_logprobs: int | None = None  # N: P scores the prompt (PromptLogprobs), with the N likeliest tokens
+    max_tokens_param: str | None = None  # the field the client set max_tokens with; None: the gateway's
+    # default (the rest of the context), which dispatch lowers to what the chosen decoders' KV budget holds
 
     def __post_init__(self) -> None:
         try:  # the KV wire carries the id as a UUID: any other would only fail later, on P's sockets
