@@ -160,7 +160,8 @@ class BatchEngine:
         return {"kv_budget_tokens": self.config.kv_budget_tokens, "kv_used_tokens": self.kv_used_tokens,
                 "kv_filled_tokens": self._filled_tokens(), "waiting": self.waiting, "running": self.running,
                 "engine_steps": steps, "mean_batch": round(self.rows / steps, 2) if steps else 0.0,
-                "kv_frees": self.frees, "kv_grows": self.grows, "preemptions": self.preemptions}
+                "kv_frees": self.frees, "kv_grows": self.grows, "preemptions": self.preemptions,
+                "forward_s": round(self.forward_s, 3)}
 
     def _filled_tokens(self) -> int:
         while True:

@@ -152,6 +152,7 @@ async def test_full_kv_budget_makes_new_requests_wait_then_run(runner, prompts, 
         outputs = [*(await asyncio.gather(*first_two)), await third]
         assert outputs == [tiny_generate(prompts[i], max_tokens) for i in range(3)]
         assert engine.stats()["kv_used_tokens"] == 0 and engine.waiting == 0
+        assert engine.stats()["forward_s"] > 0 and engine.stats()["engine_steps"] > 0
 
 
 async def test_a_request_larger_than_the_budget_is_refused(runner, prompts):
