@@ -1,7 +1,8 @@
 """The kernels under one decode step, alone: what bounds the engine on this machine.
 
 Memory bandwidth (sum and copy of 200 MB), the linears of one SmolLM2 forward (30 layers' q, k, v,
-o, gate, up, down and the tied LM head) at a few row counts in float32 and bfloat16, and one
+o, gate, up, down and the tied LM head) at a few row counts in float32 and bfloat16, as `F.linear`
+and on weights packed once for oneDNN (what the engine does for bfloat16 models), and one
 query token's attention over 512 positions (SDPA in each dtype, and bfloat16 upcast to float32 as
 the engine does it). Nothing of pdd is imported: these are torch's kernels as the engine calls them.
 
@@ -42,11 +43,15 @@ def linears(rows: list[int]) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         weights = [torch.randn(out, inp).to(dtype) for out, inp in SHAPES]
         nbytes = sum(w.numel() * w.element_size() for w in weights)
+        packs = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
         for m in rows:
             x = {n: torch.randn(m, n).to(dtype) for n in (576, 1536)}
             s = per_call_s(lambda: [F.linear(x[w.shape[1]], w) for w in weights], 5)
+            packed = per_call_s(lambda: [torch.ops.mkldnn._linear_pointwise(x[w.shape[1]], p, None, "none", [], "")
+                                         for w, p in zip(weights, packs)], 5)
             print(f"linears of one forward, {str(dtype)[6:]:8} M={m:3}: {s * 1e3:6.1f} ms "
-                  f"({nbytes / s / 1e9:5.1f} GB/s of weights)")
+                  f"({nbytes / s / 1e9:5.1f} GB/s of weights); weights packed once for oneDNN "
+                  f"(shared/cpu_linears.py): {packed * 1e3:6.1f} ms")
 
 
 def attention(positions: int) -> None:
