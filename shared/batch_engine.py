@@ -456,8 +456,7 @@ class BatchEngine:
                 settled.append((work.future, None, failed[work]))
             elif not work.left and not work.sample:
                 kv = self._slots[work.key].kv
-                result = (kv.slice(kv.length - len(work.feed_ids), kv.length, self.runner.dtype).to("cpu")
-                      if work.return_kv else None)
+                result = kv.slice(kv.length - len(work.feed_ids), kv.length).to("cpu") if work.return_kv else None
                 settled.append((work.future, result if work.score is None else (result, work.scored), None))
         self._work = [w for w in self._work if w.left]
         self.forward_s += time.perf_counter() - t0
@@ -530,7 +529,7 @@ class BatchEngine:
         slot = self._slots.get(key)
         if slot is None:
             raise NotAdmitted(f"{key} holds no KV here")
-        return slot.kv.slice(start, end, self.runner.dtype)
+        return slot.kv.slice(start, end)
 
     def _fail_all(self, exc: PddError) -> None:
         with self._cond:

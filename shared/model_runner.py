@@ -30,11 +30,14 @@ ATTENTION = "pdd_packed"
 
 
 class SequenceKV:
-    """One request's KV: `data` [layers, 2, kv_heads, capacity, head_dim], positions [0, length) filled."""
+    """One request's KV: `data` [layers, 2, kv_heads, capacity, head_dim], positions [0, length) filled.
 
-    def __init__(self, data: torch.Tensor, length: int = 0) -> None:
+    `dtype` is the model's: what the KV leaves in (`slice`), whatever `data` keeps it in."""
+
+    def __init__(self, data: torch.Tensor, length: int = 0, dtype: torch.dtype | None = None) -> None:
         self.data = data
         self.length = length
+        self.dtype = dtype or data.dtype
 
     @property
     def data(self) -> torch.Tensor:
@@ -55,10 +58,10 @@ class SequenceKV:
             self._layers = [(kv[0].unsqueeze(0), kv[1].unsqueeze(0)) for kv in self._data.unbind(0)]
         return self._layers[index]
 
-    def slice(self, start: int, end: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A copy of positions [start, end) as [layers, 2, kv_heads, tokens, head_dim], in `dtype` if given."""
+    def slice(self, start: int, end: int) -> torch.Tensor:
+        """A copy of positions [start, end) as [layers, 2, kv_heads, tokens, head_dim], in the model's dtype."""
         part = self.data[:, :, :, start:end]
-        return part.clone() if dtype is None or dtype == part.dtype else part.to(dtype)
+        return part.clone() if part.dtype == self.dtype else part.to(self.dtype)
 
 
 @dataclass
@@ -231,7 +234,7 @@ class ModelRunner:
         """Room for `capacity` positions, starting with parts [layers, 2, kv_heads, tokens, head_dim] in order."""
         data = torch.empty((self.num_layers, 2, self.kv_heads, capacity, self.head_dim), dtype=self.kv_dtype,
                            device=self.device)
-        kv = SequenceKV(data)
+        kv = SequenceKV(data, dtype=self.dtype)
         for part in parts:
             n = part.shape[3]
             if kv.length + n > capacity:

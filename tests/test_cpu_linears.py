@@ -47,7 +47,7 @@ def test_a_bfloat16_model_on_a_cpu_keeps_its_kv_in_float32_holding_bfloat16_valu
     assert runner.kv_dtype == torch.float32
     kv = runner.new_kv(16)
     runner.forward(kv, [5, 17, 99, 3])
-    out = kv.slice(0, 4, runner.dtype)
+    out = kv.slice(0, 4)
     assert out.dtype == torch.bfloat16 and torch.equal(out.float(), kv.data[:, :, :, :4])
     received = torch.randn(runner.num_layers, 2, runner.kv_heads, 3, runner.head_dim)  # a float32 P's KV
     kept = runner.new_kv(8, [received])
