@@ -46,6 +46,11 @@ COPY shared/__init__.py shared/models.py /build/shared/
 RUN cd /build && python -c "from shared.models import ensure_smollm2, ensure_tiny; ensure_smollm2(); ensure_tiny()"
 
 FROM base AS runtime
+# g++: a half-precision model on a CPU builds pdd's decode attention kernel for the CPU it runs on,
+# once, at its first start (shared/cpu_attention; about 15 s; without it, torch's slower SDPA).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
 RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/pdd pdd
 COPY --from=deps /opt/venv /opt/venv
 COPY --from=models /opt/pdd/models /opt/pdd/models

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shared.batch_engine import BatchEngine  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
-from shared.model_runner import DecodeSequence, ModelRunner  # noqa: E402
+from shared.model_runner import DECODE_ATTENTION_CHOICES, DecodeSequence, ModelRunner  # noqa: E402
 from shared.models import load_model, resolve_model  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
@@ -33,6 +33,7 @@ from shared.sampling import SamplingParams  # noqa: E402
 class BenchConfig:
     model: str
     dtype: str
+    decode_attention: str
     threads: int
     batches: tuple[int, ...]
     context_tokens: int
@@ -173,10 +174,11 @@ def bench_generate_batch(path: Path, config: BenchConfig, prompts: list[list[int
 async def run(config: BenchConfig) -> dict:
     torch.set_num_threads(config.threads)
     path = resolve_model(config.model)
-    runner = ModelRunner(load_model(path, config.dtype, "cpu"))
+    runner = ModelRunner(load_model(path, config.dtype, "cpu"), config.decode_attention)
     engine = BatchEngine(runner, EngineConfig(max_batch_tokens=config.max_batch_tokens,
                                               torch_threads=config.threads), name="bench")
     report: dict = {"model": config.model, "dtype": config.dtype, "threads": config.threads, "load_before": load(),
+                    "decode_attention": "kernel" if runner.decode_attention else "sdpa",
                     "config": {k: v for k, v in vars(config).items() if k != "json_path"}}
     try:
         await serve(engine, runner, "warmup", random_prompt(random.Random(0), runner.config.vocab_size, 64), 4)
@@ -260,7 +262,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| ratio (generate_batch / pdd) | {mixed['speedup']:.2f}x | {mixed['cpu_speedup']:.2f}x | "
                      f"same outputs {mixed['same_outputs']}/{mixed['pdd']['requests']} |")
     lines.append(f"\nload average {report['load_before']:.1f} before, {report['load_after']:.1f} after; "
-                 f"{report['threads']} torch threads, {report['dtype']}")
+                 f"{report['threads']} torch threads, {report['dtype']}, {report['decode_attention']} decode attention")
     return "\n".join(lines)
 
 
@@ -268,6 +270,8 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="float32", help="float32 (exact, the default) or bfloat16")
+    p.add_argument("--decode-attention", default="auto", choices=DECODE_ATTENTION_CHOICES,
+                   help="one-token attention: pdd's CPU kernel, torch's SDPA, or auto (the kernel for half precision)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batches", default="1,4,8,16,32")
     p.add_argument("--context-tokens", type=int, default=128, help="prompt length of each decode request")
@@ -285,7 +289,7 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--sections", default="decode,prefill,mixed")
     p.add_argument("--json", dest="json_path", default="")
     ns = p.parse_args(argv)
-    return BenchConfig(ns.model, ns.dtype, ns.threads, tuple(int(b) for b in ns.batches.split(",")),
+    return BenchConfig(ns.model, ns.dtype, ns.decode_attention, ns.threads, tuple(int(b) for b in ns.batches.split(",")),
                        ns.context_tokens,
                        ns.decode_tokens, ns.prefill_prompts, ns.prefill_prompt_tokens, ns.chunk_tokens,
                        ns.max_batch_tokens, ns.mixed_requests, ns.mixed_min_prompt, ns.mixed_max_prompt,

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from shared.model_runner import ModelRunner, PackedRow  # noqa: E402
+from shared.model_runner import DECODE_ATTENTION_CHOICES, ModelRunner, PackedRow  # noqa: E402
 from shared.models import load_model, resolve_model  # noqa: E402
 from shared.sampling import SamplingParams, sample_tokens  # noqa: E402
 
@@ -68,6 +68,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--decode-attention", default="auto", choices=DECODE_ATTENTION_CHOICES,
+                   help="one-token attention: pdd's CPU kernel, torch's SDPA, or auto (the kernel for half precision)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batches", default="1,16")
     p.add_argument("--context-tokens", type=int, default=512)
@@ -77,9 +79,11 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=25)
     config = p.parse_args()
     torch.set_num_threads(config.threads)
-    runner = ModelRunner(load_model(resolve_model(config.model), config.dtype, "cpu"))
+    runner = ModelRunner(load_model(resolve_model(config.model), config.dtype, "cpu"), config.decode_attention)
     results = [time_steps(runner, int(b), config) for b in config.batches.split(",")]
-    print(f"\n{config.model} {config.dtype}, {config.threads} threads, context {config.context_tokens}")
+    attention = "kernel" if runner.decode_attention else "sdpa"
+    print(f"\n{config.model} {config.dtype}, {attention} decode attention, {config.threads} threads, "
+          f"context {config.context_tokens}")
     for r in results:
         print(f"batch {r['batch']:3d}: {r['step_ms']:6.1f} ms/step (min {r['min_ms']:.1f}, CPU {r['cpu_ms']:.1f}), "
               f"{r['tokens_per_s']:6.1f} tokens/s, {r['tokens_per_s'] / results[0]['tokens_per_s']:.2f}x batch "

@@ -168,6 +168,10 @@ class ModelConfig:
     dtype: str = flag(DType.FLOAT32.value, choices=choices(DType))
     device: str = flag("auto", "auto, cpu, cuda, cuda:N")
     torch_threads: int = flag(0, "intra-op threads for the engine thread; 0 leaves torch's default")
+    decode_attention: str = flag("auto", "one-token attention on a CPU: 'kernel' (pdd's, built for this CPU at "
+                                         "first start; fails if it cannot be), 'sdpa' (torch's), or 'auto' (the "
+                                         "kernel for a half-precision model if it builds, else sdpa)",
+                                 choices=("auto", "kernel", "sdpa"))
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ knows where each request's KV lives.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
@@ -20,6 +21,8 @@ from transformers.integrations.sdpa_attention import (
 )
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from shared import cpu_attention
+from shared.cpu_attention import DecodeAttention, KernelUnavailable
 from shared.cpu_linears import pack_linears
 from shared.sampling import SamplingParams, SamplingRow, TokenLogprob
 
@@ -27,6 +30,7 @@ if TYPE_CHECKING:
     from shared.grammar import GrammarState
 
 ATTENTION = "pdd_packed"
+log = logging.getLogger(__name__)
 
 
 class SequenceKV:
@@ -146,6 +150,7 @@ class _Pack:
     rows: list[PackedRow]
     offsets: list[int]  # where each row's tokens start in the packed sequence
     masks: list[torch.Tensor | None]  # [1, 1, t, past + t] causal mask for rows of several tokens
+    decode_attention: DecodeAttention | None = None  # the CPU kernel for the one-token rows, when in use
 
 
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -166,15 +171,42 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         one_token = query.shape[2] == 1 and attention_mask is None and direct
         return _attend(module, query, key, value, attention_mask, scaling, gqa, one_token), None
     layer = module.layer_idx
-    outputs = []
+    kernel = pdd_pack.decode_attention
+    outputs: list[torch.Tensor | None] = []
+    one_token: list[int] = []  # rows the kernel serves, all in one call
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
     for row, start, mask in zip(pdd_pack.rows, pdd_pack.offsets, pdd_pack.masks):
         past, n = row.kv.length, len(row.token_ids)
         cache_k, cache_v = row.kv.layer(layer)
         cache_k.narrow(2, past, n).copy_(key.narrow(2, start, n))
         cache_v.narrow(2, past, n).copy_(value.narrow(2, start, n))
-        q, k, v = query.narrow(2, start, n), cache_k.narrow(2, 0, past + n), cache_v.narrow(2, 0, past + n)
-        outputs.append(_attend(module, q, k, v, mask, scaling, gqa, n == 1 and direct))
+        k, v = cache_k.narrow(2, 0, past + n), cache_v.narrow(2, 0, past + n)
+        if kernel is not None and n == 1:
+            one_token.append(start)
+            keys.append(k)
+            values.append(v)
+            outputs.append(None)
+        else:
+            outputs.append(_attend(module, query.narrow(2, start, n), k, v, mask, scaling, gqa, n == 1 and direct))
+    if one_token:
+        decoded = _decode_attention(kernel, query, one_token, keys, values, scaling)
+        if len(one_token) == len(outputs):
+            return decoded.unsqueeze(0), None
+        served = iter(decoded.split(1))
+        outputs = [next(served).unsqueeze(0) if out is None else out for out in outputs]
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+
+
+def _decode_attention(kernel: DecodeAttention, query: torch.Tensor, starts: list[int], keys: list[torch.Tensor],
+                      values: list[torch.Tensor], scaling: float | None) -> torch.Tensor:
+    """The kernel over the one-token rows at `starts` of query [1, heads, T, d]: [rows, heads, d], query's dtype."""
+    rows = query[0].transpose(0, 1)  # [T, heads, d]
+    if len(starts) < rows.shape[0]:
+        rows = rows[starts]
+    q = rows.to(torch.float32, memory_format=torch.contiguous_format)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return kernel(q, keys, values, scale).to(query.dtype)
 
 
 def _attend(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -202,6 +234,36 @@ AttentionInterface.register(ATTENTION, packed_attention)
 AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # ordinary forwards get sdpa's masks
 
 
+DECODE_ATTENTION_CHOICES = ("auto", "kernel", "sdpa")
+
+
+def pick_decode_attention(choice: str, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
+                          head_dim: int) -> DecodeAttention | None:
+    """The attention for one-token rows: pdd's CPU kernel (shared/cpu_attention), or None for torch's SDPA.
+
+    'auto' takes the kernel for a half-precision model on a CPU when it builds here (float32 models
+    keep SDPA, whose results equal transformers'); 'kernel' takes it for any model on a CPU and
+    fails when it cannot; 'sdpa' never takes it.
+    """
+    if choice not in DECODE_ATTENTION_CHOICES:
+        raise ValueError(f"decode attention {choice!r}: one of {', '.join(DECODE_ATTENTION_CHOICES)}")
+    usable = device.type == "cpu" and cpu_attention.supports(heads, kv_heads, head_dim)
+    if choice == "sdpa" or (choice == "auto" and not (usable and dtype in (torch.bfloat16, torch.float16))):
+        return None
+    if not usable:
+        raise KernelUnavailable(f"the CPU decode attention kernel serves CPU models with head_dim in "
+                                f"{cpu_attention.HEAD_DIMS} and at most {cpu_attention.MAX_GROUP} query heads "
+                                f"per KV head; this one is on {device} with {heads} heads, {kv_heads} KV "
+                                f"heads of {head_dim}")
+    try:
+        return cpu_attention.load()
+    except KernelUnavailable as exc:
+        if choice == "kernel":
+            raise
+        log.warning("%s; one-token attention uses torch's SDPA", exc)
+        return None
+
+
 def _causal_mask(past: int, n: int, device: torch.device) -> torch.Tensor | None:
     """As transformers masks one request: none for one token or a fresh prompt (sdpa's is_causal)."""
     if n == 1 or past == 0:
@@ -211,7 +273,7 @@ def _causal_mask(past: int, n: int, device: torch.device) -> torch.Tensor | None
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, decode_attention: str = "auto") -> None:
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
@@ -221,12 +283,16 @@ class ModelRunner:
         self.kv_heads = model.config.num_key_value_heads or model.config.num_attention_heads
         heads = model.config.num_attention_heads
         self.head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // heads
-        # A half-precision model on a CPU attends in float32 (_attend); its KV is kept in float32 too,
-        # so no step converts a request's whole KV again. Every value is the model's own rounding
-        # (K and V come out of its projections in its dtype, received KV is rounded to it first), so
-        # this changes no result, only memory (KV bytes as a float32 model's) and speed.
-        upcast = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
-        self.kv_dtype = torch.float32 if upcast else self.dtype
+        self.decode_attention = pick_decode_attention(decode_attention, self.device, self.dtype, heads,
+                                                      self.kv_heads, self.head_dim)
+        # A half-precision model on a CPU attends in float32 (_attend, the kernel). The kernel reads
+        # bfloat16 KV directly, so there the KV stays bfloat16; otherwise it is kept in float32, so no
+        # step converts a request's whole KV again. Every value is the model's own rounding (K and V
+        # come out of its projections in its dtype, received KV is rounded to it first), so the choice
+        # changes no result, only memory and speed.
+        half = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
+        bfloat16_kv = self.decode_attention is not None and self.dtype == torch.bfloat16
+        self.kv_dtype = torch.float32 if half and not bfloat16_kv else self.dtype
         model.set_attn_implementation(ATTENTION)
         self.packed_linears = pack_linears(model)  # bfloat16 on a CPU: same outputs, weights reordered once
 
@@ -276,7 +342,7 @@ class ModelRunner:
         no_mask = torch.zeros((1, 1, 0, 0), dtype=torch.bool, device=self.device)  # 4D: transformers skips masking
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=no_mask, use_cache=False,
                          logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
-                         pdd_pack=_Pack(rows, offsets, masks))
+                         pdd_pack=_Pack(rows, offsets, masks, self.decode_attention))
         for row in rows:
             row.kv.length += len(row.token_ids)
         return out.logits[0]

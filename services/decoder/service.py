@@ -57,7 +57,8 @@ class DecoderService:
         self.instance_id = config.common.instance_id
         path = resolve_model(config.model.model)
         self.layout = kv_layout(path)
-        self.runner = ModelRunner(load_model(path, config.model.dtype, config.model.device))
+        self.runner = ModelRunner(load_model(path, config.model.dtype, config.model.device),
+                                  config.model.decode_attention)
         self.engine = BatchEngine(self.runner, config.engine, self.name, grammar_compiler(path, self.runner))
         self.receiver = KVReceiver(self.layout, DTYPE_NAMES[config.model.dtype], read_secret(config.kv_secret_file),
                                    limits=config.kv_limits)

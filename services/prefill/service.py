@@ -45,7 +45,8 @@ class PrefillService:
         self.instance_id = config.common.instance_id
         path = resolve_model(config.model.model)
         self.layout = kv_layout(path)
-        self.runner = ModelRunner(load_model(path, config.model.dtype, config.model.device))
+        self.runner = ModelRunner(load_model(path, config.model.dtype, config.model.device),
+                                  config.model.decode_attention)
         self.engine = BatchEngine(self.runner, config.engine, ROLE)  # chunks of many prompts share forwards
         self.prefiller = Prefiller(self.engine, config.chunk_tokens)
         wire = DTYPE_NAMES[config.kv_wire_dtype]
