@@ -157,7 +157,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, token_index: int)
     """Pick the token at absolute output position `token_index` from last-position logits [vocab]
     whose options (min_tokens, logit_bias, penalties) are already applied."""
     if params.greedy:
-        return int(torch.argmax(logits).item())
+        return int(_argmax(logits).item())
     scores = logits.float() / params.temperature
     if params.min_p > 0.0:
         probs = torch.softmax(scores, dim=-1)
@@ -238,13 +238,22 @@ def _penalize(logits: torch.Tensor, row_ids: Sequence[int], rows: Sequence[Sampl
     flat[seen] = flat[seen] - frequency[owner] * counts - presence[owner]
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The index of the largest logit of each row (the first of equals). torch's CPU argmax is 3x
+    slower on bfloat16 than converting to float32 first (2.9 against 0.9 ms for 16 x 49152), and
+    the conversion is exact, so the index is the same."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return torch.argmax(logits, dim=-1)
+
+
 def _pick(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
     """Greedy rows in one argmax and one device sync; random rows each with their own seeded draw."""
     greedy = [i for i, row in enumerate(rows) if row.params.greedy]
     tokens = [0] * len(rows)
     if greedy:
         picked = logits if len(greedy) == len(rows) else logits[greedy]
-        for i, token in zip(greedy, torch.argmax(picked, dim=-1).tolist()):
+        for i, token in zip(greedy, _argmax(picked).tolist()):
             tokens[i] = token
     for i, row in enumerate(rows):
         if not row.params.greedy:
