@@ -2,6 +2,10 @@
 runner does with it (shared/cpu_attention, shared/model_runner.py)."""
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -155,3 +159,34 @@ def test_a_step_mixing_decode_rows_and_a_prompt_gives_each_row_what_it_gets_alon
 
     for together, alone in zip(step(True), step(False)):
         assert torch.equal(together, alone)
+
+
+def test_a_build_killed_midway_leaves_no_lock_that_later_starts_wait_on(tmp_path) -> None:
+    """torch's own lock file, left by a killed build, is removed under the kernel's flock."""
+    directory = tmp_path / "pdd_decode_attention_x"
+    directory.mkdir()
+    (directory / "lock").write_text("")
+    with cpu_attention.build_lock(directory, timeout_s=1.0):
+        assert not (directory / "lock").exists()
+
+
+def test_a_build_held_by_another_process_is_waited_for_within_a_deadline(tmp_path) -> None:
+    directory = tmp_path / "pdd_decode_attention_x"
+    lock = directory.with_name(directory.name + ".lock")
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time\n"
+        f"f = open({str(lock)!r}, 'w'); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(30)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        directory.mkdir()
+        assert holder.stdout.readline().strip() == "held"
+        started = time.monotonic()
+        with pytest.raises(KernelUnavailable, match="another process has been building"):
+            with cpu_attention.build_lock(directory, timeout_s=0.5):
+                pass
+        assert time.monotonic() - started < 10
+    finally:
+        holder.kill()
+        holder.wait()
+    with cpu_attention.build_lock(directory, timeout_s=5.0):  # the holder's death released it
+        pass

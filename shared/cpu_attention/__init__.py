@@ -8,18 +8,22 @@ KV directly, and computes each (request, KV head) start to end on one thread, so
 output does not depend on who shares its step or on the thread count.
 
 The kernel is compiled with `-march=native` by torch's extension builder (g++ and ninja; about
-15 s, once). The build is named after a hash of the source, torch's version and the CPU's
-features, so a cache shared between different CPUs never loads code built for another one.
+15 s, once) into `$TORCH_EXTENSIONS_DIR/pdd` (default `~/.cache/torch_extensions/pdd`). The build
+is named after a hash of the source, torch's version and the CPU's features, so a cache shared
+between different CPUs never loads code built for another one.
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
 import shutil
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -30,6 +34,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
 HEAD_DIMS = (16, 32, 64, 128)  # the head sizes the kernel is built for
 MAX_GROUP = 16  # query heads per KV head
+BUILD_TIMEOUT_S = 300.0  # how long a process waits for another one's build
 
 # rows [R, heads, head_dim] float32, each row's K and V [kv_heads, positions, head_dim], scale
 DecodeAttention = Callable[[torch.Tensor, Sequence[torch.Tensor], Sequence[torch.Tensor], float], torch.Tensor]
@@ -50,14 +55,47 @@ def load() -> DecodeAttention:
 
     _put_ninja_on_path()
     name = f"pdd_decode_attention_{_build_key()}"
-    log.info("loading the CPU decode attention kernel %s (a first build takes about 15 s)", name)
-    try:
-        module = cpp_extension.load(name, [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
-                                    verbose=False)
-    except Exception as exc:  # the compiler's, ninja's or the loader's error: each says why
-        raise KernelUnavailable(f"could not build {SOURCE.name}: {exc}") from exc
+    directory = build_root() / name
+    log.info("loading the CPU decode attention kernel from %s (a first build takes about 15 s)", directory)
+    with build_lock(directory, BUILD_TIMEOUT_S):
+        try:
+            module = cpp_extension.load(name, [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+                                        build_directory=str(directory), verbose=False)
+        except Exception as exc:  # the compiler's, ninja's or the loader's error: each says why
+            raise KernelUnavailable(f"could not build {SOURCE.name}: {exc}") from exc
     _check(module.decode_attention)
     return module.decode_attention
+
+
+def build_root() -> Path:
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions") / "pdd"
+
+
+@contextmanager
+def build_lock(directory: Path, timeout_s: float) -> Iterator[None]:
+    """One process at a time builds or loads `directory`, waiting at most timeout_s for another.
+
+    torch's builder has a lock of its own, a file that a killed build leaves behind and that every
+    later build then waits on forever; this one is the kernel's flock, which dies with its holder,
+    so under it a leftover of torch's is stale and is removed.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory.with_name(directory.name + ".lock"), "w") as lock:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise KernelUnavailable(f"another process has been building {directory} for over "
+                                            f"{timeout_s:.0f} s") from None
+                time.sleep(0.1)
+        try:
+            (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _build_key() -> str:
