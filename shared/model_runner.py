@@ -30,6 +30,10 @@ if TYPE_CHECKING:
     from shared.grammar import GrammarState
 
 ATTENTION = "pdd_packed"
+# Rows of up to this many tokens (decode steps, MD's extend of RLD's eager tokens, Catch-Up chunks)
+# go through the CPU kernel, token by token; longer ones (prefill chunks) through SDPA, whose blocked
+# kernel reads each K and V once for many query tokens.
+KERNEL_ROW_TOKENS = 64
 log = logging.getLogger(__name__)
 
 
@@ -158,9 +162,10 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      pdd_pack: _Pack | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """query [1, heads, T, d] and new key/value [1, kv_heads, T, d] for T packed tokens.
 
-    Each row's new K/V go into its own SequenceKV, and each row attends over its own KV only,
-    with the very call (shapes, mask, kernel) transformers' sdpa path makes for one request alone,
-    so batching changes only the matmuls outside attention.
+    Each row's new K/V go into its own SequenceKV, and each row attends over its own KV only: through
+    pdd's CPU kernel when in use (rows of up to KERNEL_ROW_TOKENS, a token at a time), else with the
+    very call (shapes, mask, kernel) transformers' sdpa path makes for one request alone, so batching
+    changes only the matmuls outside attention.
     """
     gqa = getattr(module, "num_key_value_groups", 1) > 1
     direct = not gqa or use_gqa_in_sdpa(None, key, value)
@@ -172,8 +177,8 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         return _attend(module, query, key, value, attention_mask, scaling, gqa, one_token), None
     layer = module.layer_idx
     kernel = pdd_pack.decode_attention
-    outputs: list[torch.Tensor | None] = []
-    one_token: list[int] = []  # rows the kernel serves, all in one call
+    outputs: list[torch.Tensor | int] = []  # a row's output, or how many of the kernel's outputs it takes
+    starts: list[int] = []  # query tokens the kernel serves, all in one call: each over its causal prefix
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     for row, start, mask in zip(pdd_pack.rows, pdd_pack.offsets, pdd_pack.masks):
@@ -181,26 +186,33 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         cache_k, cache_v = row.kv.layer(layer)
         cache_k.narrow(2, past, n).copy_(key.narrow(2, start, n))
         cache_v.narrow(2, past, n).copy_(value.narrow(2, start, n))
-        k, v = cache_k.narrow(2, 0, past + n), cache_v.narrow(2, 0, past + n)
-        if kernel is not None and n == 1:
-            one_token.append(start)
-            keys.append(k)
-            values.append(v)
-            outputs.append(None)
+        if kernel is not None and n <= KERNEL_ROW_TOKENS:
+            for i in range(n):  # token i of the row attends to positions [0, past + i]: the causal mask
+                starts.append(start + i)
+                keys.append(cache_k.narrow(2, 0, past + i + 1))
+                values.append(cache_v.narrow(2, 0, past + i + 1))
+            outputs.append(n)
         else:
+            k, v = cache_k.narrow(2, 0, past + n), cache_v.narrow(2, 0, past + n)
             outputs.append(_attend(module, query.narrow(2, start, n), k, v, mask, scaling, gqa, n == 1 and direct))
-    if one_token:
-        decoded = _decode_attention(kernel, query, one_token, keys, values, scaling)
-        if len(one_token) == len(outputs):
-            return decoded.unsqueeze(0), None
-        served = iter(decoded.split(1))
-        outputs = [next(served).unsqueeze(0) if out is None else out for out in outputs]
+    if starts:
+        served = _decode_attention(kernel, query, starts, keys, values, scaling)
+        if len(starts) == query.shape[2]:
+            return served.unsqueeze(0), None
+        parts, taken = [], 0
+        for out in outputs:
+            if isinstance(out, int):
+                parts.append(served[taken:taken + out].unsqueeze(0))
+                taken += out
+            else:
+                parts.append(out)
+        outputs = parts
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
 
 
 def _decode_attention(kernel: DecodeAttention, query: torch.Tensor, starts: list[int], keys: list[torch.Tensor],
                       values: list[torch.Tensor], scaling: float | None) -> torch.Tensor:
-    """The kernel over the one-token rows at `starts` of query [1, heads, T, d]: [rows, heads, d], query's dtype."""
+    """The kernel over the query tokens at `starts` of query [1, heads, T, d]: [tokens, heads, d], query's dtype."""
     rows = query[0].transpose(0, 1)  # [T, heads, d]
     if len(starts) < rows.shape[0]:
         rows = rows[starts]
@@ -295,6 +307,8 @@ class ModelRunner:
         self.kv_dtype = torch.float32 if half and not bfloat16_kv else self.dtype
         model.set_attn_implementation(ATTENTION)
         self.packed_linears = pack_linears(model)  # bfloat16 on a CPU: same outputs, weights reordered once
+        log.info("%s on %s: one-token attention by %s, KV kept in %s, %d linears packed", self.dtype, self.device,
+                 "pdd's CPU kernel" if self.decode_attention else "torch's SDPA", self.kv_dtype, self.packed_linears)
 
     def new_kv(self, capacity: int, parts: Sequence[torch.Tensor] = ()) -> SequenceKV:
         """Room for `capacity` positions, starting with parts [layers, 2, kv_heads, tokens, head_dim] in order."""

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from shared import cpu_attention
 from shared.cpu_attention import KernelUnavailable
-from shared.model_runner import ModelRunner, PackedRow, pick_decode_attention
+from shared.model_runner import KERNEL_ROW_TOKENS, ModelRunner, PackedRow, pick_decode_attention
 from shared.models import load_model
 
 
@@ -190,3 +190,25 @@ def test_a_build_held_by_another_process_is_waited_for_within_a_deadline(tmp_pat
         holder.wait()
     with cpu_attention.build_lock(directory, timeout_s=5.0):  # the holder's death released it
         pass
+
+
+@pytest.mark.parametrize("eager", [1, 7, KERNEL_ROW_TOKENS])
+def test_md_recomputing_rlds_eager_tokens_in_one_pass_gets_rlds_kv_bit_for_bit(kernel, tiny_path, eager) -> None:
+    """The Extend-Decode handoff in bfloat16 on a CPU: RLD made `eager` tokens one step at a time, MD
+    feeds them in one forward. Rows of up to KERNEL_ROW_TOKENS tokens attend through the kernel a
+    token at a time, and bfloat16's packed linears give every row the same result at any batch size,
+    so MD ends with RLD's KV exactly, and picks RLD's next token from RLD's logits."""
+    runner = ModelRunner(load_model(tiny_path, "bfloat16", "cpu"))
+    prompt = list(range(500, 540))
+    relay = runner.new_kv(len(prompt) + eager + 1)
+    logits = runner.forward(relay, prompt)
+    tokens = []
+    for _ in range(eager):
+        tokens.append(int(logits.argmax()))
+        logits = runner.forward(relay, tokens[-1:])
+    main = runner.new_kv(len(prompt) + eager + 1)
+    runner.forward(main, prompt)
+    main_logits = runner.forward(main, tokens)
+    assert main.length == relay.length
+    assert torch.equal(main.data[:, :, :, :main.length], relay.data[:, :, :, :relay.length])
+    assert torch.equal(main_logits, logits)

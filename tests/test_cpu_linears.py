@@ -1,6 +1,7 @@
 """Packed linears: a bfloat16 model computes the same logits with its weights reordered once."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -53,3 +54,17 @@ def test_a_bfloat16_model_on_torchs_attention_keeps_its_kv_in_float32_holding_bf
     received = torch.randn(runner.num_layers, 2, runner.kv_heads, 3, runner.head_dim)  # a float32 P's KV
     kept = runner.new_kv(8, [received])
     assert torch.equal(kept.data[:, :, :, :3], received.to(torch.bfloat16).float()), "rounded to the model's dtype"
+
+
+@pytest.mark.parametrize("inputs,outputs", [(1536, 576), (576, 1536), (576, 192)])
+def test_a_row_comes_out_the_same_whatever_number_of_rows_shares_the_call(inputs, outputs) -> None:
+    """SmolLM2's shapes: alone, or among 2 to 64 rows, a row's output is bit-identical, so a
+    request's tokens do not depend on its batch (oneDNN alone rounds one row differently at 1536)."""
+    torch.manual_seed(0)
+    linear = PackedLinear(nn.Linear(inputs, outputs, bias=False).to(torch.bfloat16), keep_weight=False)
+    x = torch.randn(64, inputs).to(torch.bfloat16)
+    with torch.inference_mode():
+        alone = torch.cat([linear(x[i:i + 1]) for i in range(64)])
+        for rows in (2, 5, 64):
+            assert torch.equal(torch.cat([linear(x[i:i + rows]) for i in range(0, 64, rows)]), alone), rows
+        assert linear(x[:1].unsqueeze(0)).shape == (1, 1, outputs)
