@@ -8,12 +8,13 @@ packed weight, which computes bit-identical outputs (the same kernel; checked at
 probe). float32 models are left alone: there the packed kernel rounds differently from MKL's,
 and transformers' float32 results stay the reference.
 
-A single row is computed as the first of two copies of it. oneDNN takes another path for one row
-than for several, which for some shapes rounds differently (SmolLM2's MLP down projection, 1536
-inputs: one row differs in the last bit where every count from 2 to 128 agrees), so without this a
-request's outputs would depend on whether it had its step to itself, and MD's one-pass
-recomputation of RLD's eager tokens would not give RLD's KV. Two rows cost what one does (the
-weights are read once): 46 against 45 µs for that projection.
+For the shapes where oneDNN rounds a row alone differently from the same row among others
+(probed at load; of SmolLM2's, only the MLP down projection, 1536 inputs: there a single row
+differs in the last bit where every count from 2 to 128 agrees), a single row is computed as the
+first of two copies of it. Without that, a request's outputs would depend on whether it had its
+step to itself, and MD's one-pass recomputation of RLD's eager tokens would not give RLD's KV.
+Two rows cost about what one does there (46 against 45 µs); doing it for every linear cost 4 ms of
+a 34 ms step, so the others are left alone.
 """
 from __future__ import annotations
 
@@ -33,16 +34,17 @@ class PackedLinear(nn.Module):
     embeddings), so packing does not double the model's memory.
     """
 
-    def __init__(self, linear: nn.Linear, keep_weight: bool) -> None:
+    def __init__(self, linear: nn.Linear, keep_weight: bool, single_row_as_two: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.bias = linear.bias
+        self.single_row_as_two = single_row_as_two
         if keep_weight:
             self.weight = linear.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == self.in_features:  # one row: computed as the first of two (see the module's docstring)
+        if self.single_row_as_two and x.numel() == self.in_features:  # see the module's docstring
             two = torch.cat([x, x], dim=-2).contiguous()
             return torch.ops.mkldnn._linear_pointwise(two, self.packed, self.bias, "none", [], "").narrow(-2, 0, 1)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
@@ -76,12 +78,27 @@ def pack_linears(model: nn.Module) -> int:
         for param in module.parameters(recurse=False):
             owners[id(param)] = owners.get(id(param), 0) + 1
     replaced = 0
+    rounds_one_row_apart: dict[tuple[int, int, bool], bool] = {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear(child, keep_weight=owners[id(child.weight)] > 1))
+                shape = (child.in_features, child.out_features, child.bias is not None)
+                if shape not in rounds_one_row_apart:
+                    rounds_one_row_apart[shape] = one_row_rounds_apart(child)
+                setattr(parent, name, PackedLinear(child, keep_weight=owners[id(child.weight)] > 1,
+                                                   single_row_as_two=rounds_one_row_apart[shape]))
                 replaced += 1
     return replaced
+
+
+def one_row_rounds_apart(linear: nn.Linear) -> bool:
+    """Whether oneDNN rounds a row alone differently from the same row among others for this
+    linear's shape (a probe of random rows; the kernel oneDNN picks depends on the shape)."""
+    probe = PackedLinear(linear, keep_weight=True)
+    x = torch.randn(64, linear.in_features, generator=torch.Generator().manual_seed(0)).to(linear.weight.dtype)
+    with torch.inference_mode():
+        together = probe(x)
+        return not all(torch.equal(probe(x[i:i + 1]), together[i:i + 1]) for i in range(64))
 
 
 def _linear_of(weight: torch.Tensor) -> nn.Linear:

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from shared.cpu_linears import PackedLinear, pack_linears
+from shared.cpu_linears import PackedLinear, one_row_rounds_apart, pack_linears
 from shared.model_runner import ModelRunner
 from shared.models import load_model
 
@@ -61,7 +61,8 @@ def test_a_row_comes_out_the_same_whatever_number_of_rows_shares_the_call(inputs
     """SmolLM2's shapes: alone, or among 2 to 64 rows, a row's output is bit-identical, so a
     request's tokens do not depend on its batch (oneDNN alone rounds one row differently at 1536)."""
     torch.manual_seed(0)
-    linear = PackedLinear(nn.Linear(inputs, outputs, bias=False).to(torch.bfloat16), keep_weight=False)
+    plain = nn.Linear(inputs, outputs, bias=False).to(torch.bfloat16)
+    linear = PackedLinear(plain, keep_weight=False, single_row_as_two=one_row_rounds_apart(plain))
     x = torch.randn(64, inputs).to(torch.bfloat16)
     with torch.inference_mode():
         alone = torch.cat([linear(x[i:i + 1]) for i in range(64)])
