@@ -154,7 +154,7 @@ class _Pack:
     rows: list[PackedRow]
     offsets: list[int]  # where each row's tokens start in the packed sequence
     masks: list[torch.Tensor | None]  # [1, 1, t, past + t] causal mask for rows of several tokens
-    decode_attention: DecodeAttention | None = None  # the CPU kernel for the one-token rows, when in use
+    decode_attention: DecodeAttention | None = None  # the CPU kernel, when in use (rows up to KERNEL_ROW_TOKENS)
 
 
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -251,7 +251,8 @@ DECODE_ATTENTION_CHOICES = ("auto", "kernel", "sdpa")
 
 def pick_decode_attention(choice: str, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
                           head_dim: int) -> DecodeAttention | None:
-    """The attention for one-token rows: pdd's CPU kernel (shared/cpu_attention), or None for torch's SDPA.
+    """The attention for rows of up to KERNEL_ROW_TOKENS: pdd's CPU kernel (shared/cpu_attention), or None
+    for torch's SDPA.
 
     'auto' takes the kernel for a half-precision model on a CPU when it builds here (float32 models
     keep SDPA, whose results equal transformers'); 'kernel' takes it for any model on a CPU and
