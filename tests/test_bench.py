@@ -258,6 +258,21 @@ def test_cli_flags_build_the_config(tmp_path):
         parser.parse_args(["bench", "--modes", "nonsense"])
 
 
+def test_placement_flags_reach_every_modes_stack(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    cfg = config_from_args(parser.parse_args(["bench", "--gateway-dc", "b", "--cpus", "prefill=0",
+                                              "--cpus", "relay,main=1", "--out", str(tmp_path)]))
+    two_dc, one_dc = stack_config(MODES["pdd"], cfg, tmp_path), stack_config(MODES["pd-local"], cfg, tmp_path)
+    assert two_dc.gateway_datacenter == "b" and two_dc.datacenter_of("gateway") == "b"
+    assert one_dc.gateway_datacenter == "a", "one datacenter has no B to put the gateway in"
+    for config in (two_dc, one_dc):
+        assert dict(config.cpu_affinity) == {"prefill": (0,), "relay": (1,), "main": (1,)}
+    assert config_from_args(parser.parse_args(["bench", "--out", str(tmp_path)])).stack.cpu_affinity == ()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--cpus", "decoder=0"])
+
+
 def test_the_paper_scenario_presets_what_was_left_at_its_default(tmp_path):
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers())

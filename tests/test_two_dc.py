@@ -8,6 +8,7 @@ Timing bounds are loose on purpose: the machine may have two shared cores.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Callable
@@ -128,6 +129,31 @@ def test_topology_and_wan_flags_reach_the_stack_config(command: str) -> None:
         ("two-dc", 20.0, 15.0, 2.0)
     assert config.wan_trace == Path("t.csv") and config.wan_control_port == 8081
     assert StackConfig.from_namespace(build_parser().parse_args([command])).topology == "one-dc"
+
+
+def test_placement_flags_put_the_gateway_in_b_and_pin_processes_to_cores() -> None:
+    config = StackConfig.from_namespace(build_parser().parse_args([
+        "up", "--topology", "two-dc", "--gateway-dc", "b", "--cpus", "prefill=0", "--cpus", "relay,main=1-2,4",
+        "--cpus", "prefill=3"]))
+    assert [config.datacenter_of(p) for p in ("gateway", "prefill", "relay", "main")] == ["b", "a", "a", "b"]
+    assert dict(config.cpu_affinity) == {"prefill": (3,), "relay": (1, 2, 4), "main": (1, 2, 4)}, "the last flag wins"
+    default = StackConfig.from_namespace(build_parser().parse_args(["up"]))
+    assert default.datacenter_of("gateway") == "a" and not default.cpu_affinity
+    for bad in (["--gateway-dc", "c"], ["--cpus", "prefill"], ["--cpus", "prefill=1-0"], ["--cpus", "router=0"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["up", *bad])
+    with pytest.raises(ValueError, match="gateway_datacenter"):
+        StackConfig(gateway_datacenter="c")
+    with pytest.raises(ValueError, match="no core"):
+        StackConfig(cpu_affinity={"prefill": ()})
+
+
+async def test_cores_the_machine_lacks_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    missing_core = max(os.sched_getaffinity(0)) + 1
+    stack = LocalStack(two_dc_config(tmp_path / "logs", cpu_affinity={"main": (missing_core,)}))
+    with pytest.raises(StackError, match="--cpus main"):
+        await stack.start()
+    assert not stack.processes
 
 
 def test_an_unknown_topology_is_refused() -> None:
@@ -321,8 +347,10 @@ def fp32_prefill_bf16_decode(model_path: Path) -> Generate:
 async def mixed_stack(tmp_path_factory: pytest.TempPathFactory, stack: LocalStack) -> AsyncIterator[LocalStack]:
     await stack.stop()  # if still running: two stacks of model processes are too many for a small machine
     bf16 = ["--dtype", "bfloat16"]
+    # This stack also runs the other placement: the gateway beside MD in B, and P pinned to one core.
     config = two_dc_config(tmp_path_factory.mktemp("two-dc-mixed"), dtype="float32", wan_bandwidth_mbps=0.0,
-                           extra_args={"relay": bf16, "main": bf16, "prefill": ["--instance-id", "prefill-mixed"]})
+                           extra_args={"relay": bf16, "main": bf16, "prefill": ["--instance-id", "prefill-mixed"]},
+                           gateway_datacenter="b", cpu_affinity={"prefill": (0,)})
     async with LocalStack(config) as running:
         yield running
 
@@ -335,6 +363,20 @@ def mixed_generate(tiny_path: Path) -> Generate:
 def mixed_prompts(tag: int) -> list[list[int]]:
     """Prompts no earlier call sent (MD's DRC would otherwise hold them)."""
     return [random_prompt(1000 * tag + n, n) for n in MIXED_PROMPT_LENGTHS]
+
+
+def allowed_cores(pid: int) -> str:
+    return next(line.split(":", 1)[1].strip() for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                if line.startswith("Cpus_allowed_list:"))
+
+
+async def test_a_gateway_in_b_talks_through_bs_nats_server_and_p_keeps_to_its_core(mixed_stack: LocalStack) -> None:
+    argv = {role: proc.args for role, proc in mixed_stack.processes.items()}
+    nats_url_of = {role: args[args.index("--nats-url") + 1] for role, args in argv.items() if "--nats-url" in args}
+    assert nats_url_of["gateway"] == nats_url_of["main"] == mixed_stack.nats_url_b
+    assert nats_url_of["prefill"] == nats_url_of["relay"] == mixed_stack.nats_url
+    assert allowed_cores(mixed_stack.processes["prefill"].pid) == "0"
+    assert allowed_cores(mixed_stack.processes["relay"].pid) == allowed_cores(os.getpid()), "unpinned: as the launcher"
 
 
 @pytest.mark.parametrize("pipeline", ["p-md", "p-rld-md"])

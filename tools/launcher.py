@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -34,8 +35,8 @@ from shared.models import resolve_model
 from tools.nats_certs import NatsCerts, make_nats_certs
 from tools.nats_config import (NATS_USER, find_nats_server, nats_auth_argv, nats_client_auth_conf, nats_gateway_conf,
                                write_private)
-from tools.processes import POLL_S, die_with_parent, log_tail, signal_group, wait_exited
-from tools.stack_config import (DATACENTER, KV_ROLES, KV_SECRET_FILE, LOOPBACK, MD_KV_ROUTE, MODEL_ROLES, NATS,
+from tools.processes import POLL_S, log_tail, signal_group, start_child, wait_exited
+from tools.stack_config import (KV_ROLES, KV_SECRET_FILE, LOOPBACK, MD_KV_ROUTE, MODEL_ROLES, NATS,
                                 NATS_B, NATS_GW_A_ROUTE, NATS_GW_B_ROUTE, SERVICES, STOP_STAGES, WAN, StackConfig,
                                 StackError, free_port, port_is_free)
 from tools.wan_control import WanControl
@@ -113,6 +114,7 @@ class LocalStack:
         if self.config.nats_auth:
             await asyncio.to_thread(self._make_nats_credentials)
         self.kv_secret_file = self._kv_secret()
+        self._check_cpu_affinity()
         if self.config.two_dc:
             if self.config.nats_url:
                 raise StackError("--topology two-dc starts its own two nats-servers; drop --nats-url")
@@ -222,8 +224,15 @@ class LocalStack:
             raise StackError(f"unexpected WAN emulator banner: {banner!r}")
         self.wan_control_url = control.group(1)
 
+    def _check_cpu_affinity(self) -> None:
+        usable = os.sched_getaffinity(0)
+        for name, cores in self.config.cpu_affinity.items():
+            if not set(cores) <= usable:
+                raise StackError(f"--cpus {name}: cores {sorted(set(cores) - usable)} are not among this "
+                                 f"machine's usable cores {sorted(usable)}")
+
     def _nats_url_for(self, role: str) -> str:
-        return self.nats_url_b if self.config.two_dc and DATACENTER[role] == "b" else self.nats_url
+        return self.nats_url_b if self.config.two_dc and self.config.datacenter_of(role) == "b" else self.nats_url
 
     def _service_argv(self, role: str) -> list[str]:
         c = self.config
@@ -265,7 +274,7 @@ class LocalStack:
             proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                 env=self._child_env(), start_new_session=True,
-                preexec_fn=die_with_parent,
+                preexec_fn=functools.partial(start_child, self.config.cpu_affinity.get(role)),
             )
         self.processes[role] = proc
         self.log_paths[role] = path
@@ -326,7 +335,8 @@ class LocalStack:
             "topology": self.config.topology, "launcher_pid": os.getpid(),
             "pids": {r: p.pid for r, p in self.processes.items()}}
         if self.config.two_dc:
-            state.update(nats_url_b=self.nats_url_b, wan_control_url=self.wan_control_url, wan_ports=self.wan_ports)
+            state.update(nats_url_b=self.nats_url_b, wan_control_url=self.wan_control_url, wan_ports=self.wan_ports,
+                         gateway_datacenter=self.config.gateway_datacenter)
         if self.nats_auth is not None:
             state["nats_auth"] = asdict(self.nats_auth)
         if self.kv_secret_file is not None:

@@ -35,6 +35,13 @@ def die_with_parent() -> None:
         _prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
+def start_child(cores: Sequence[int] | None = None) -> None:
+    """Runs in the child between fork and exec: die with the launcher, and keep to `cores` when given."""
+    die_with_parent()
+    if cores:
+        os.sched_setaffinity(0, cores)
+
+
 def signal_group(proc: subprocess.Popen[bytes], sig: int, *, after_exit: bool = False) -> None:
     """Signal the child's whole group; once the child is reaped, only when asked (its pid may be reused)."""
     if proc.poll() is not None and not after_exit:

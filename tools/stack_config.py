@@ -19,7 +19,8 @@ SERVICES = (Role.PREFILL, Role.RELAY, Role.MAIN, "gateway")
 MODEL_ROLES = tuple(Role)
 STOP_STAGES: tuple[tuple[str, ...], ...] = (("gateway",), (Role.RELAY, Role.MAIN), (Role.PREFILL,), (NATS, NATS_B), (WAN,))
 TOPOLOGIES = ("one-dc", "two-dc")
-DATACENTER = {"gateway": "a", "prefill": "a", "relay": "a", "main": "b"}  # two-dc placement
+DATACENTER = {"gateway": "a", "prefill": "a", "relay": "a", "main": "b"}  # two-dc placement (the gateway: default)
+DATACENTERS = ("a", "b")
 # The emulator's routes in two-dc: P -> MD's KV port, and the NATS gateway link in both directions
 # (a NATS gateway connection carries messages one way only: each server dials the other).
 MD_KV_ROUTE = "md_kv"
@@ -70,10 +71,19 @@ class StackConfig:
     kv_secret_file: Path | None = None  # the KV sockets' secret; None: a fresh one in log_dir/KV_SECRET_FILE
     api_key_file: Path | None = None  # the gateway's API key (clients send it as a Bearer token); None: open
     max_running_requests: int | None = None  # the gateway's limit before requests queue; None: its default
+    gateway_datacenter: str = DATACENTER["gateway"]  # two-dc: "a" (beside P and RLD) or "b" (beside MD)
+    cpu_affinity: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # process name -> the cores it may run on
 
     def __post_init__(self) -> None:
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"topology must be one of {TOPOLOGIES}, got {self.topology!r}")
+        if self.gateway_datacenter not in DATACENTERS:
+            raise ValueError(f"gateway_datacenter must be one of {DATACENTERS}, got {self.gateway_datacenter!r}")
+        unknown = set(self.cpu_affinity) - {*SERVICES, NATS, NATS_B, WAN}
+        if unknown:
+            raise ValueError(f"cpu_affinity names no process of the stack: {sorted(unknown)}")
+        if any(not cores for cores in self.cpu_affinity.values()):
+            raise ValueError("cpu_affinity gives a process no core")
         if self.nats_auth and self.nats_url:
             raise ValueError("nats_auth secures the nats-server the launcher starts; for your own server at "
                              "nats_url, give the services PDD_NATS_USER, PDD_NATS_PASSWORD_FILE, PDD_NATS_TLS_*")
@@ -101,6 +111,10 @@ class StackConfig:
         parser.add_argument("--max-running-requests", type=int, default=None,
                             help="requests the gateway runs at once before new ones queue (default: the gateway's, "
                                  "64; 0: no limit)")
+        parser.add_argument("--cpus", dest="cpu_affinity", type=parse_cpu_affinity, action="append", default=[],
+                            metavar="NAME[,NAME]=CORES",
+                            help="pin processes to cores, e.g. prefill=0 or relay,main=1-3 (names: "
+                                 f"{', '.join(SERVICES)}, {NATS}, {NATS_B}, {WAN}); repeatable; default: unpinned")
         parser.add_argument("--log-dir", type=Path, default=d.log_dir, help="one log file per process")
         parser.add_argument("--log-level", default=d.log_level, help="log level of the services")
         parser.add_argument("--torch-threads", type=int, default=d.torch_threads,
@@ -111,6 +125,9 @@ class StackConfig:
         wan = parser.add_argument_group("two datacenters", "--topology two-dc puts MD and a second nats-server "
                                         "in datacenter B, behind the WAN emulator (docs/wan.md)")
         wan.add_argument("--topology", default=d.topology, choices=TOPOLOGIES)
+        wan.add_argument("--gateway-dc", dest="gateway_datacenter", default=d.gateway_datacenter, choices=DATACENTERS,
+                         help="the gateway's datacenter: a, beside P and RLD (default), or b, beside MD (the "
+                              "handoff then loses the round trip, RLD's tokens cross the WAN instead)")
         wan.add_argument("--wan-bandwidth-mbps", type=float, default=d.wan_bandwidth_mbps,
                          help=f"line rate per direction in Mbit/s; 0: unlimited (default {d.wan_bandwidth_mbps:g})")
         wan.add_argument("--wan-delay-ms", type=float, default=d.wan_delay_ms,
@@ -132,12 +149,47 @@ class StackConfig:
             wan_bandwidth_mbps=ns.wan_bandwidth_mbps, wan_delay_ms=ns.wan_delay_ms,
             wan_jitter_ms=ns.wan_jitter_ms, wan_trace=ns.wan_trace, wan_control_port=ns.wan_control_port,
             nats_auth=ns.nats_auth, kv_secret_file=ns.kv_secret_file, api_key_file=ns.api_key_file,
-            max_running_requests=ns.max_running_requests,
+            max_running_requests=ns.max_running_requests, gateway_datacenter=ns.gateway_datacenter,
+            cpu_affinity=merge_cpu_affinity(ns.cpu_affinity),
         )
 
     @property
     def two_dc(self) -> bool:
         return self.topology == "two-dc"
+
+    def datacenter_of(self, process: str) -> str:
+        """Where a service runs in two-dc: its fixed place, or the gateway's configured one."""
+        return self.gateway_datacenter if process == "gateway" else DATACENTER[process]
+
+
+def parse_cpu_affinity(text: str) -> dict[str, tuple[int, ...]]:
+    """`prefill=0`, `relay,main=1-3`, `gateway=0,2` -> {name: cores}: the value of one --cpus flag."""
+    names, sep, cores_text = text.partition("=")
+    if not sep or not names.strip() or not cores_text.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME[,NAME]=CORES (e.g. prefill=0), got {text!r}")
+    cores: list[int] = []
+    try:
+        for part in cores_text.split(","):
+            low, dash, high = part.partition("-")
+            first, last = int(low), int(high) if dash else int(low)
+            if first < 0 or last < first:
+                raise ValueError(part)
+            cores.extend(range(first, last + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cores must be like 0, 1-3 or 0,2: got {cores_text!r}") from None
+    affinity = {name.strip(): tuple(sorted(set(cores))) for name in names.split(",")}
+    unknown = set(affinity) - {*SERVICES, NATS, NATS_B, WAN}
+    if unknown:
+        raise argparse.ArgumentTypeError(f"no process of the stack is named {', '.join(sorted(unknown))}")
+    return affinity
+
+
+def merge_cpu_affinity(flags: Sequence[Mapping[str, tuple[int, ...]]]) -> dict[str, tuple[int, ...]]:
+    """Several --cpus flags into one mapping; a name given twice keeps its last cores."""
+    merged: dict[str, tuple[int, ...]] = {}
+    for flag in flags:
+        merged.update(flag)
+    return merged
 
 
 def free_port(host: str = LOOPBACK) -> int:

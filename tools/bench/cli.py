@@ -16,7 +16,7 @@ from tools.bench.config import (WORKLOADS, AgenticOptions, BenchConfig, Costs, L
                                  Slo, StackOptions, SyntheticOptions, Target, WanLink)
 from tools.bench.modes import MODES, NOT_AVAILABLE
 from tools.bench.runner import RunResult, run_bench, skipped_modes
-from tools.stack_config import StackError
+from tools.stack_config import StackError, merge_cpu_affinity, parse_cpu_affinity
 from shared.models import DTYPES
 
 ALL_MODES = (*MODES, *NOT_AVAILABLE)
@@ -80,6 +80,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     g.add_argument("--chunk-tokens", type=int, default=s.chunk_tokens)
     g.add_argument("--cache-bytes", type=int, default=None, help="P's cache and MD's DRC capacity (default: services')")
     g.add_argument("--startup-timeout-s", type=float, default=s.startup_timeout_s)
+    g.add_argument("--cpus", dest="cpu_affinity", type=parse_cpu_affinity, action="append", default=[],
+                   metavar="NAME[,NAME]=CORES", help="pin processes to cores in every mode, e.g. prefill=0 "
+                                                     "--cpus relay,main=1 (as pdd up); default: unpinned")
 
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=float, default=ld.request_rate,
@@ -117,6 +120,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     g.add_argument("--wan-rtt-ms", type=float, default=w.rtt_ms)
     g.add_argument("--wan-jitter-ms", type=float, default=w.jitter_ms)
     g.add_argument("--wan-trace", type=Path, default=None, help="bandwidth trace for the emulator")
+    g.add_argument("--gateway-dc", dest="gateway_datacenter", default=s.gateway_datacenter, choices=("a", "b"),
+                   help="the gateway's (and the client's) datacenter: a, beside P and RLD, or b, beside MD")
 
     g = p.add_argument_group("SLOs (goodput) and costs (BCR)")
     g.add_argument("--slo-ttft-ms", type=float, default=None)
@@ -147,7 +152,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         modes=modes, targets=targets, workloads=args.workloads, hit_rates=args.hit_rates, seed=args.seed, out_dir=out,
         stack=StackOptions(model=args.model, dtype=args.dtype, torch_threads=args.torch_threads,
                            chunk_tokens=args.chunk_tokens, cache_bytes=args.cache_bytes,
-                           startup_timeout_s=args.startup_timeout_s, log_dir=out / "logs"),
+                           startup_timeout_s=args.startup_timeout_s, log_dir=out / "logs",
+                           gateway_datacenter=args.gateway_datacenter,
+                           cpu_affinity=tuple(merge_cpu_affinity(args.cpu_affinity).items())),
         load=LoadOptions(request_rate=args.request_rate, max_concurrency=args.max_concurrency,
                          max_requests=args.max_requests, duration_s=args.duration_s,
                          request_timeout_s=args.request_timeout_s, warmup_requests=args.warmup_requests,

@@ -23,6 +23,8 @@ class StackOptions:
     startup_timeout_s: float = 300.0
     log_dir: Path = Path("logs/bench")
     extra_args: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (role, flags), added in every mode
+    gateway_datacenter: str = "a"  # two-dc modes: the gateway beside P and RLD (a) or beside MD (b)
+    cpu_affinity: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (process, cores), the same in every mode
 
 
 @dataclass(frozen=True)

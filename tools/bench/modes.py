@@ -101,13 +101,14 @@ def stack_config(mode: Mode, cfg: BenchConfig, log_dir: Path) -> StackConfig:
         extra.setdefault("gateway", []).extend(["--ttft-slo-ms", str(cfg.slo.ttft_ms)])
     fields: dict[str, object] = {
         "model": s.model, "dtype": s.dtype, "port": 0, "pipeline": pipeline_of(mode), "log_dir": log_dir,
-        "chunk_tokens": s.chunk_tokens, "startup_timeout_s": s.startup_timeout_s, "extra_args": extra}
+        "chunk_tokens": s.chunk_tokens, "startup_timeout_s": s.startup_timeout_s, "extra_args": extra,
+        "cpu_affinity": dict(s.cpu_affinity)}
     if s.torch_threads:
         fields["torch_threads"] = s.torch_threads
     if mode.two_dc:
         w = cfg.wan
         fields.update(topology="two-dc", wan_bandwidth_mbps=w.bandwidth_mbps, wan_delay_ms=w.delay_ms,
-                      wan_jitter_ms=w.jitter_ms, wan_trace=w.trace)
+                      wan_jitter_ms=w.jitter_ms, wan_trace=w.trace, gateway_datacenter=s.gateway_datacenter)
     return StackConfig(**fields)  # type: ignore[arg-type]
 
 

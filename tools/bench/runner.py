@@ -116,7 +116,9 @@ def stack_facts(mode: Mode, cfg: BenchConfig, stack_cfg: StackConfig) -> Json:
             "pipeline": pipeline_of(mode), "handoff_mode": mode.handoff_mode, "request_fields": request_fields(mode),
             "drc": mode.drc, "wan": asdict(cfg.wan) if mode.two_dc else None,
             "torch_threads": stack_cfg.torch_threads, "chunk_tokens": stack_cfg.chunk_tokens,
-            "extra_args": {r: list(f) for r, f in stack_cfg.extra_args.items()}}
+            "extra_args": {r: list(f) for r, f in stack_cfg.extra_args.items()},
+            "gateway_datacenter": stack_cfg.gateway_datacenter if mode.two_dc else None,
+            "cpu_affinity": {name: list(cores) for name, cores in stack_cfg.cpu_affinity.items()}}
 
 
 async def run_on_stack(stack: LocalStack, mode: Mode, workloads: list[Workload], cfg: BenchConfig,
