@@ -225,11 +225,13 @@ class LocalStack:
         self.wan_control_url = control.group(1)
 
     def _check_cpu_affinity(self) -> None:
-        usable = os.sched_getaffinity(0)
+        """The machine's cores, not the launcher's own affinity: `taskset -c 1 pdd up --cpus prefill=0` may
+        keep everything but P off core 0."""
+        cores_here = set(range(os.cpu_count() or 1))
         for name, cores in self.config.cpu_affinity.items():
-            if not set(cores) <= usable:
-                raise StackError(f"--cpus {name}: cores {sorted(set(cores) - usable)} are not among this "
-                                 f"machine's usable cores {sorted(usable)}")
+            if not set(cores) <= cores_here:
+                raise StackError(f"--cpus {name}: cores {sorted(set(cores) - cores_here)} are not among this "
+                                 f"machine's cores 0-{max(cores_here)}")
 
     def _nats_url_for(self, role: str) -> str:
         return self.nats_url_b if self.config.two_dc and self.config.datacenter_of(role) == "b" else self.nats_url
