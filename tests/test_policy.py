@@ -6,7 +6,7 @@ import random
 import torch
 
 from services.gateway.routing.cache_index import CacheIndex
-from services.gateway.routing.policy import Estimate, PolicyConfig, RelayWatch, choose_pipeline
+from services.gateway.routing.policy import Estimate, PolicyConfig, RelayWatch, choose_pipeline, path_round_trip_s
 from shared.radix_cache import RadixCache
 
 CONFIG = PolicyConfig(relay_min_gain_s=0.1, default_link_bytes_per_s=100e6 / 8, default_prefill_tokens_per_s=5000)
@@ -228,6 +228,23 @@ def test_the_predicted_main_start_counts_the_fixed_costs() -> None:
     fast = choose_pipeline(CONFIG, estimate=bare, **small)
     slow = choose_pipeline(CONFIG, estimate=costly, **small)
     assert abs(slow.predicted_main_ready_s - fast.predicted_main_ready_s - 0.26) < 1e-9
+
+
+def test_the_network_path_through_p_is_the_larger_ping_wherever_the_gateway_sits() -> None:
+    rtt = 0.03
+    # gateway in A, beside P and RLD: MD's path is the WAN's round trip, RLD's nothing
+    assert path_round_trip_s(0.0, rtt) == rtt and path_round_trip_s(0.0, 0.0) == 0.0
+    # gateway in B, beside MD: the request crosses to P and RLD's tokens cross back; MD's KV crosses once
+    assert path_round_trip_s(rtt, 0.0) == rtt and path_round_trip_s(rtt, rtt) == rtt
+    # so in B, RLD's gain is P's compute against MD's crossing alone: the WAN's round trip cancels
+    crossing = {"prompt_tokens": 1200, "max_tokens": 128, "main_hit_tokens": 1100, "kv_bytes_per_token": 23_040}
+    in_a = choose_pipeline(CONFIG, estimate=Estimate(12.5e6, 1000.0, STEP_S, STEP_S, round_trip_s=rtt,
+                                                     relay_round_trip_s=0.0), prefill_hit_tokens=1100, **crossing)
+    in_b = choose_pipeline(CONFIG, estimate=Estimate(12.5e6, 1000.0, STEP_S, STEP_S, round_trip_s=rtt,
+                                                     relay_round_trip_s=rtt), prefill_hit_tokens=1100, **crossing)
+    gain_a = in_a.predicted_main_ready_s - in_a.predicted_relay_ready_s
+    gain_b = in_b.predicted_main_ready_s - in_b.predicted_relay_ready_s
+    assert abs(gain_a - gain_b - rtt) < 1e-9
 
 
 def test_each_tier_step_is_the_median_gap_between_its_tokens() -> None:

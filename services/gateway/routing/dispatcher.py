@@ -25,6 +25,7 @@ from services.gateway.routing.policy import (
     PolicyConfig,
     RelayWatch,
     choose_pipeline,
+    path_round_trip_s,
 )
 from services.gateway.routing.registry import Instance, InstanceRegistry
 from services.gateway.routing.telemetry import Telemetry
@@ -205,14 +206,16 @@ class Dispatcher:
         md = main.heartbeat
         prefill_model = self.telemetry.prefill
         round_trips = self.telemetry.round_trip_s
+        prefill_ping = round_trips.get(prefill.heartbeat.instance_id, 0.0)
         estimate = Estimate(
             link_bytes_per_s=self._link_bytes_per_s(prefill.heartbeat, md),
             prefill_tokens_per_s=prefill_model.tokens_per_s if prefill_model else None,
             main_queue_s=self._queue_s(main, Role.MAIN),
             relay_queue_s=self._queue_s(relay, Role.RELAY) if relay is not None else NO_RELAY_S,
             prefill_fixed_s=prefill_model.fixed_s if prefill_model else 0.0,
-            round_trip_s=round_trips.get(md.instance_id, 0.0),
-            relay_round_trip_s=round_trips.get(relay.heartbeat.instance_id, 0.0) if relay is not None else 0.0,
+            round_trip_s=path_round_trip_s(prefill_ping, round_trips.get(md.instance_id, 0.0)),
+            relay_round_trip_s=(path_round_trip_s(prefill_ping, round_trips.get(relay.heartbeat.instance_id, 0.0))
+                                if relay is not None else 0.0),
             relay_step_s=self.telemetry.step_s(Role.RELAY) or self.config.decode_step_s_guess,
             prefill_chunk_tokens=int(prefill.heartbeat.stats.get("chunk_tokens", 0)) or Estimate.prefill_chunk_tokens)
         kv_bytes_per_token = int(prefill.heartbeat.stats.get("kv_bytes_per_token", 0))

@@ -39,10 +39,19 @@ class Estimate:
     main_queue_s: float  # MD's wait before the request's first step, the step included
     relay_queue_s: float = NO_RELAY_S  # the same on RLD; inf: no RLD reachable
     prefill_fixed_s: float = 0.0  # P's cost per prefill whatever its length (fitted)
-    round_trip_s: float = 0.0  # gateway <-> MD: the assign's answer, then the KV's last byte, each half of it
-    relay_round_trip_s: float = 0.0  # gateway <-> RLD, the same
+    round_trip_s: float = 0.0  # the path gateway -> P -> MD -> gateway (path_round_trip_s)
+    relay_round_trip_s: float = 0.0  # the same through RLD
     relay_step_s: float = 0.05  # one decode step on RLD
     prefill_chunk_tokens: int = 256  # P computes and sends the KV this many tokens at a time
+
+
+def path_round_trip_s(prefill_ping_s: float, decoder_ping_s: float) -> float:
+    """The network time of a request through P to a decoder and back: gateway -> P, P's KV -> decoder,
+    decoder's token -> gateway. The gateway pings P and the decoder, not the hop between them; with
+    every instance in one of two datacenters and the gateway in one of them, that hop is half the
+    difference of the two pings, so the path is the larger ping: MD's round trip for a gateway beside
+    P, P's for a gateway beside MD, and the same for RLD next to P either way."""
+    return max(prefill_ping_s, decoder_ping_s)
 
 
 @dataclass(frozen=True)
