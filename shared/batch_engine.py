@@ -135,6 +135,12 @@ class BatchEngine:
         self.grows = 0
         self.preemptions = 0
         self._preempted: set[str] = set()  # keys whose KV was taken back, until they are released
+        self._due: dict[str, float] = {}  # key -> when its announced work should arrive (time.monotonic)
+        self._step_s = 0.0  # a moving average of a step's forward, for how long a hold may last
+        self.holds = 0  # steps held back for announced work
+        self.holds_met = 0  # holds the announced work arrived in
+        self.announced = 0  # work announced for an admitted request (`expect`)
+        self.announced_late = 0  # announced work that had not come by its due time and grace
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
         self._thread.start()
 
@@ -161,7 +167,8 @@ class BatchEngine:
                 "kv_filled_tokens": self._filled_tokens(), "waiting": self.waiting, "running": self.running,
                 "engine_steps": steps, "mean_batch": round(self.rows / steps, 2) if steps else 0.0,
                 "kv_frees": self.frees, "kv_grows": self.grows, "preemptions": self.preemptions,
-                "forward_s": round(self.forward_s, 3)}
+                "forward_s": round(self.forward_s, 3), "holds": self.holds, "holds_met": self.holds_met,
+                "announced": self.announced, "announced_late": self.announced_late}
 
     def _filled_tokens(self) -> int:
         while True:
@@ -230,6 +237,23 @@ class BatchEngine:
         if feed_ids:
             await self.submit(key, feed_ids, sample=False)
 
+    def expect(self, key: str, in_s: float) -> None:
+        """Announce that an admitted request's next work arrives in about `in_s` seconds (MD: RLD's
+        cut is on its way). If the engine is ready to step before then, it holds the step for that
+        work, at most `hold_steps` of a step, so the work joins this step instead of waiting for the
+        next; the others' next token comes that much later, once."""
+        due = time.monotonic() + max(0.0, in_s)
+
+        def announce() -> None:
+            if key in self._slots:
+                self._due[key] = due
+                self.announced += 1
+
+        try:
+            self._command(announce)
+        except NotAdmitted:
+            pass
+
     def release(self, key: str) -> None:
         """Free a request's KV, or withdraw its wait for budget; idempotent, safe from any thread."""
         try:
@@ -296,8 +320,11 @@ class BatchEngine:
             self._fail_all(NotAdmitted("engine stopped"))
 
     def _gather(self) -> bool:
-        """Wait for work; after a step, also briefly for the requests it served, so they step together."""
+        """Wait for work; after a step, also briefly for the requests it served, so they step together,
+        and for work announced to arrive within a hold (`expect`)."""
         deadline = time.monotonic() + self.config.gather_s
+        held_since: float | None = None
+        held_for: set[str] = set()
         while True:
             with self._cond:
                 commands, self._commands = self._commands, deque()
@@ -312,18 +339,51 @@ class BatchEngine:
                     log.exception("engine command failed")
             if commands:
                 self._admit()
+            now = time.monotonic()
             have_work = bool(self._work)
             missing = {key for key in self._expected - {w.key for w in self._work} if key in self._slots}
-            if have_work and not missing:
-                return True
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if missing and now >= deadline:
                 self._expected.clear()
-                if have_work:
-                    return True
+                missing = set()
+            hold_until = self._hold_until(now, held_since) if have_work else None
+            if have_work and not missing and hold_until is None:
+                if held_since is not None:
+                    self.holds += 1
+                    self.holds_met += bool(held_for & {w.key for w in self._work})
+                return True
+            if hold_until is not None and held_since is None:
+                held_since, held_for = now, set(self._due)
+            wake_at = min(deadline if missing else float("inf"), hold_until or float("inf"))
             with self._cond:
                 if not (self._commands or self._incoming or self._stopping):
-                    self._cond.wait(remaining if remaining > 0 else None)
+                    self._cond.wait(wake_at - now if have_work or missing else None)
+
+    def _hold_until(self, now: float, held_since: float | None) -> float | None:
+        """Until when to hold the next step for announced work not yet here; None: do not hold.
+
+        Work is due at the time `expect` gave, give or take a grace (`hold_grace_s`, by default a
+        quarter of a step, at least `gather_s`: the announcer's clock is an estimate, and a hop
+        follows it). A hold lasts at most `hold_steps` of a step from when the engine was first
+        ready, is not begun for work due later than that, and ends when the work arrives or its
+        grace is over; work that missed its hold joins a later step without another hold and counts
+        in `announced_late`."""
+        arrived = {w.key for w in self._work}
+        for key in [k for k in self._due if k in arrived or k not in self._slots]:
+            del self._due[key]  # it came (or the request is gone): nothing left to hold for
+        limit = self.config.hold_steps * self._step_s
+        if not self._due or limit <= 0:
+            return None
+        reach = (held_since if held_since is not None else now) + limit
+        grace = self.config.hold_grace_s or max(0.25 * self._step_s, self.config.gather_s)
+        until = max((due + grace for due in self._due.values() if due <= reach), default=None)
+        if until is not None:
+            until = min(until, reach)
+        late = [key for key, due in self._due.items()
+                if due + grace <= now or (until is not None and until <= now and due <= reach)]
+        for key in late:
+            del self._due[key]  # late, or its hold is over: it joins a later step
+        self.announced_late += len(late)
+        return until if until is not None and until > now else None
 
     def _admit(self) -> None:
         budget = self.config.kv_budget_tokens
@@ -368,6 +428,7 @@ class BatchEngine:
         for future in withdrawn:
             _notify(future, exc=exc, cancel=exc is None)
         self._expected.discard(key)
+        self._due.pop(key, None)
 
     def _make_room(self, batch: list[tuple[_Work, int]]) -> list[tuple[_Work, int]]:
         """Grow the KV of each row that would overflow it, preempting the newest requests while the
@@ -459,7 +520,9 @@ class BatchEngine:
                 result = kv.slice(kv.length - len(work.feed_ids), kv.length).to("cpu") if work.return_kv else None
                 settled.append((work.future, result if work.score is None else (result, work.scored), None))
         self._work = [w for w in self._work if w.left]
-        self.forward_s += time.perf_counter() - t0
+        forward_s = time.perf_counter() - t0
+        self.forward_s += forward_s
+        self._step_s = forward_s if not self._step_s else 0.8 * self._step_s + 0.2 * forward_s
         self.steps += 1
         self.rows += len(batch)
         self.batch_sizes.append(len(batch))

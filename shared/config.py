@@ -187,6 +187,11 @@ class EngineConfig:
                                     "budget cannot give them, the newest request is preempted and the gateway "
                                     "restarts it (0: reserve it all at admission)")
     gather_s: float = 0.005  # after a step, how long to wait for the requests it served to come back
+    hold_steps: float = flag(0.5, "how long, in steps, the engine may hold its next step for work announced to "
+                                  "arrive (MD: RLD's cut), so the handoff's last pass does not wait a whole step "
+                                  "(0: never hold)")
+    hold_grace_s: float = flag(0.0, "how late announced work may come and still end a hold, in seconds (0: a "
+                                    "quarter of a step, at least 5 ms); never past --hold-steps")
     torch_threads: int = 0  # from ModelConfig's --torch-threads
 
 

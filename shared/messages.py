@@ -173,6 +173,17 @@ class KVReceived:
 
 
 @dataclass(frozen=True)
+class CutComing:
+    """RLD to MD: RLD's cut of this request follows in about `in_s` seconds, when the step making
+    its last eager token ends. MD holds its next step for the cut (within --hold-steps), so the
+    extend-decode pass need not wait behind a whole step of other requests. Both messages cross
+    the same link, so `in_s` needs no shared clock."""
+
+    request_id: str
+    in_s: float
+
+
+@dataclass(frozen=True)
 class HandoffStats:
     """MD to gateway, once, when it takes over from RLD."""
 
@@ -180,9 +191,10 @@ class HandoffStats:
     eager_tokens: int
     kv_wait_s: float
     handoff_s: float  # from MD's first KVReady to the cut
-    extend_s: float  # the final extend-decode pass
+    extend_s: float  # the final extend-decode pass, from the cut's arrival: extend_wait_s, then the step
     mode: str = HandoffMode.ONE_SHOT
     chunks: int = 1  # handoff messages, the final one included
+    extend_wait_s: float = 0.0  # of extend_s: the wait for MD's engine to start the step with the pass
 
 
 @dataclass(frozen=True)
@@ -236,7 +248,7 @@ MESSAGE_TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
         Heartbeat, DecodeAssign, DecodeAccepted, PrefillRequest, PromptLogprobs, PrefillAccepted, PrefillDone,
-        KVReady, Handoff, TokenChunk, KVReceived, HandoffStats, CacheEvents, RequestFailed, MainLost, Abort,
+        KVReady, Handoff, CutComing, TokenChunk, KVReceived, HandoffStats, CacheEvents, RequestFailed, MainLost, Abort,
         ReleaseKV, ErrorReply,
     )
 }

@@ -385,3 +385,53 @@ async def test_a_request_whose_tokens_break_its_grammar_fails_alone(runner, prom
         assert len(await decode(engine, again, prompt_kv(runner, prompts[4]))) == 4
     finally:
         engine.shutdown()
+
+
+async def test_a_step_is_held_for_work_announced_within_reach(runner, prompts):
+    """MD's engine holds its next step for RLD's announced cut: the cut's pass joins the step the
+    other requests were about to start, instead of waiting one out. A hold lasts at most until the
+    work's due time (plus a grace); work due beyond the reach is not held for."""
+    with engine_with(runner, hold_steps=1e6) as engine:  # the tiny model's step is a millisecond: reach far
+        busy = sequence(runner, "busy", prompts[3], 10_000)
+        cut = sequence(runner, "cut", prompts[1], 4)
+        await engine.open("cut", prompt_kv(runner, prompts[1]), cut.kv_tokens_needed, cut)
+        decoding = asyncio.create_task(decode(engine, busy, prompt_kv(runner, prompts[3])))
+        try:
+            await wait_for_steps(engine, 5)
+            engine.expect("cut", 0.5)
+            await asyncio.sleep(0.05)  # the engine picks the announcement up between steps
+            held_at = engine.steps
+            await asyncio.sleep(0.1)
+            assert engine.steps == held_at, "the busy request's steps wait for the announced work"
+            _, submitted_ns, started_ns = await engine.submit_timed("cut", [cut.prompt_ids[-1]], sample=True)
+            assert (started_ns - submitted_ns) / 1e9 < 0.2, "the held step starts with the announced work"
+            assert (engine.holds, engine.holds_met) == (1, 1)
+            assert engine.steps > held_at
+
+            engine.expect("cut", 0.05)  # announced, never sent: the hold ends on its own
+            await asyncio.sleep(0.3)
+            steps = engine.steps
+            await asyncio.sleep(0.05)
+            assert engine.steps > steps and (engine.holds, engine.holds_met) == (2, 1)
+            assert (engine.announced, engine.announced_late) == (2, 1)
+        finally:
+            decoding.cancel()
+            await asyncio.gather(decoding, return_exceptions=True)
+            engine.release("cut")
+
+    with engine_with(runner, hold_steps=0.5) as engine:  # the reach: half a step, far less than 0.5 s
+        busy = sequence(runner, "busy", prompts[3], 10_000)
+        cut = sequence(runner, "cut", prompts[1], 4)
+        await engine.open("cut", prompt_kv(runner, prompts[1]), cut.kv_tokens_needed, cut)
+        decoding = asyncio.create_task(decode(engine, busy, prompt_kv(runner, prompts[3])))
+        try:
+            await wait_for_steps(engine, 5)
+            engine.expect("cut", 0.5)
+            await asyncio.sleep(0.05)
+            steps = engine.steps
+            await asyncio.sleep(0.1)
+            assert engine.steps > steps and engine.holds == 0
+        finally:
+            decoding.cancel()
+            await asyncio.gather(decoding, return_exceptions=True)
+            engine.release("cut")

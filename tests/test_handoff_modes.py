@@ -21,7 +21,11 @@ async def stack(tmp_path_factory):
     config = StackConfig(pipeline="p-rld-md", model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"),
                          torch_threads=1, chunk_tokens=64, startup_timeout_s=120,
                          extra_args={"relay": ["--catch-up-threshold", str(CATCH_UP_THRESHOLD), *beat],
-                                     "prefill": beat, "main": beat, "gateway": beat})
+                                     "prefill": beat, "gateway": beat,
+                                     # the tiny model steps in about a millisecond: let a hold reach
+                                     # as far as RLD's announced cut, and wait for a cut that comes
+                                     # late by a loaded machine's messaging (tens of ms)
+                                     "main": [*beat, "--hold-steps", "1000", "--hold-grace-s", "0.5"]})
     async with LocalStack(config) as running:
         yield running
 
@@ -57,6 +61,28 @@ async def test_catch_up_hands_off_in_chunks_and_cuts_exactly_where_told(stack, s
     assert result.handoff["mode"] == "catch-up" and result.handoff["chunks"] >= 2
     assert result.handoff["eager_tokens"] == 40
 
+
+
+async def test_rld_announces_its_cut_and_md_expects_it(stack, session, tiny_generate):
+    """While MD is busy with another request, RLD announces the pinned cut (CutComing) as it
+    starts the step making the last eager token, and MD's engine expects the cut's pass, so it
+    may hold a step for it instead of making it wait one out. Tokens stay exact."""
+    before = await fresh_heartbeats(stack.nats_url)
+    busy_prompt = random_prompt(31, 40)
+    busy = asyncio.create_task(complete(session, stack, busy_prompt, 800, pipeline="p-md"))
+    await asyncio.sleep(0.3)
+    prompt = random_prompt(32, 120)
+    result = await complete(session, stack, prompt, 60, handoff_mode="one-shot", handoff_at=30)
+    assert not busy.done(), "MD was decoding the other request throughout"
+    assert result.token_ids == tiny_generate(prompt, 60)
+    assert result.tiers == ["relay"] * 30 + ["main"] * 30
+    assert (await busy).token_ids == tiny_generate(busy_prompt, 800)
+    after = await fresh_heartbeats(stack.nats_url)
+    assert after["relay"].stats["cuts_announced"] == before["relay"].stats["cuts_announced"] + 1
+    # MD's engine took the announcement, and the cut came within its grace: a step was held for it,
+    # or the cut was there before the engine was ready to step (tests/test_batch_engine.py holds one)
+    assert after["main"].stats["announced"] == before["main"].stats["announced"] + 1
+    assert after["main"].stats["announced_late"] == before["main"].stats["announced_late"]
 
 
 async def test_relay_finishing_first_aborts_the_wan_transfer_and_frees_both_sides(stack, session, tiny_generate):

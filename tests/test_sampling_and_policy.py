@@ -105,6 +105,27 @@ def test_the_cut_can_be_pinned() -> None:
     assert (cut.step, cut.start, cut.end) == (Step.CUT, 0, 0)
 
 
+def test_the_cut_is_known_while_rld_still_makes_its_last_token() -> None:
+    """RLD announces the cut to MD from would_cut while the step that ends it runs; it must agree
+    with what next() then decides, and change nothing."""
+    plan = HandoffPlan(HandoffMode.CATCH_UP, threshold=10, handoff_at=None)
+    assert plan.would_cut(5), "before any chunk, fewer than the threshold left: the first report cuts"
+    plan.on_main_progress()
+    assert plan.next(100).step is Step.SEND_CHUNK
+    assert not plan.would_cut(130) and plan.would_cut(105)
+    plan.on_main_progress()
+    assert plan.next(105).step is Step.CUT and not plan.fell_back
+    slow = HandoffPlan(HandoffMode.CATCH_UP, threshold=10, handoff_at=None)
+    slow.on_main_progress()
+    slow.next(50)
+    assert slow.would_cut(110) and not slow.fell_back, "not converging: a cut, but would_cut only looks"
+    pinned = HandoffPlan(HandoffMode.ONE_SHOT, threshold=64, handoff_at=10)
+    assert not pinned.would_cut(9) and pinned.would_cut(10)
+    lost = HandoffPlan(HandoffMode.ONE_SHOT, threshold=64, handoff_at=None)
+    lost.on_main_lost()
+    assert not lost.would_cut(3)
+
+
 def test_auto_mode_follows_relay_load() -> None:
     assert choose_mode("auto", running_requests=2, catch_up_max_running=4) is HandoffMode.CATCH_UP
     assert choose_mode("auto", running_requests=9, catch_up_max_running=4) is HandoffMode.ONE_SHOT

@@ -39,6 +39,9 @@ class DecoderIO(Protocol):
     async def forward(self, request: DecodeRequest, feed_ids: list[int]) -> str | None:
         """Feed tokens and sample the next one into request.seq.output_ids; the finish reason, if it ends."""
 
+    async def forward_timed(self, request: DecodeRequest, feed_ids: list[int]) -> tuple[str | None, float]:
+        """`forward`, and how long the work waited for the engine to start its step (seconds)."""
+
     async def step(self, request: DecodeRequest, feed_ids: list[int]) -> str | None:
         """`forward`, then `publish_token`."""
 
@@ -47,6 +50,9 @@ class DecoderIO(Protocol):
 
     async def export(self, request: DecodeRequest, start: int, end: int) -> torch.Tensor:
         """A copy of positions [start, end) of the request's KV."""
+
+    def expect(self, request: DecodeRequest, in_s: float) -> None:
+        """The request's next forward comes in about `in_s`: the engine may hold its next step for it."""
 
     async def publish_token(self, request: DecodeRequest, finish_reason: str | None) -> None:
         """Send the request's newest output token to the gateway."""

@@ -215,6 +215,11 @@ class DecoderService:
         _, finish_reason = await self.engine.step(request.seq, feed_ids)
         return finish_reason
 
+    async def forward_timed(self, request: DecodeRequest, feed_ids: list[int]) -> tuple[str | None, float]:
+        (_, finish_reason), submitted_ns, started_ns = await self.engine.submit_timed(
+            request.request_id, feed_ids, sample=True)
+        return finish_reason, (started_ns - submitted_ns) / 1e9
+
     async def step(self, request: DecodeRequest, feed_ids: list[int]) -> str | None:
         finish_reason = await self.forward(request, feed_ids)
         await self.publish_token(request, finish_reason)
@@ -225,6 +230,9 @@ class DecoderService:
 
     async def export(self, request: DecodeRequest, start: int, end: int) -> torch.Tensor:
         return await self.engine.export(request.request_id, start, end)
+
+    def expect(self, request: DecodeRequest, in_s: float) -> None:
+        self.engine.expect(request.request_id, in_s)
 
     async def publish_token(self, request: DecodeRequest, finish_reason: str | None) -> None:
         seq = request.seq

@@ -21,7 +21,7 @@ from shared import messages, subjects
 from shared.config import CacheConfig
 from shared.errors import PddError
 from shared.kv_transfer import TransferState
-from shared.messages import CacheEvents, DecodeAssign, Handoff, HandoffStats, KVReady
+from shared.messages import CacheEvents, CutComing, DecodeAssign, Handoff, HandoffStats, KVReady
 from shared.names import Pipeline, Role
 
 log = logging.getLogger(__name__)
@@ -58,11 +58,17 @@ class MainRole:
 
     async def _on_handoff(self, io: DecoderIO, msg: Msg) -> None:
         try:
-            handoff = messages.decode_as(msg.data, Handoff)
+            handoff = messages.decode(msg.data)
         except PddError:
+            return
+        if not isinstance(handoff, Handoff | CutComing):
             return
         request = io.find(handoff.request_id)
         if request is None:
+            return
+        if isinstance(handoff, CutComing):
+            if request.seq is not None and request.seq.kv is not None:  # admitted: the engine can hold for it
+                io.expect(request, handoff.in_s)
             return
         if handoff.finished and request.inbox.state is not TransferState.DONE and request.task is not None:
             # RLD finished before our KV arrived: drop the transfer now, not at the gateway's abort
@@ -86,10 +92,11 @@ class MainRole:
             if stats is not None:
                 with io.tracer.start_as_current_span("main.extend_decode") as extend_span:
                     extend_span.set_attributes({"pdd.extend_tokens": len(feed), "pdd.handoff_mode": stats.mode})
-                    finish_reason = await io.forward(request, feed)
+                    finish_reason, wait_s = await io.forward_timed(request, feed)
+                    extend_span.set_attribute("pdd.extend_wait_s", wait_s)
                 # the first step after the cut is the extend-decode pass over the last eager tokens;
                 # its stats go out before its token, so the gateway can mark the cut
-                stats = dataclasses.replace(stats, extend_s=time.monotonic() - t0)
+                stats = dataclasses.replace(stats, extend_s=time.monotonic() - t0, extend_wait_s=wait_s)
                 io.metrics.handoffs.labels(stats.mode).inc()
                 io.metrics.handoff_extend.labels(stats.mode).observe(stats.extend_s)
                 await io.publish(request.events_subject, stats)

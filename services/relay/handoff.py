@@ -57,6 +57,11 @@ class HandoffPlan:
     def on_main_progress(self) -> None:
         self._main_reported = True
 
+    @property
+    def main_reported(self) -> bool:
+        """MD reported progress RLD has not acted on yet (a pinned cut waits for its token count)."""
+        return self._main_reported
+
     def on_main_lost(self) -> None:
         self.main_lost = True
 
@@ -67,16 +72,27 @@ class HandoffPlan:
             return self._act(Step.CUT, eager) if self._main_reported else Decision(Step.WAIT_FOR_MAIN)
         if not self._main_reported:
             return Decision(Step.DECODE)
-        remaining = eager - self.sent
-        if self.handoff_at is None and (self.mode is HandoffMode.ONE_SHOT or remaining < self.threshold):
+        if self.would_cut(eager):
+            self.fell_back = self.fell_back or not self._cut_by_rule(eager - self.sent)
             return self._act(Step.CUT, eager)
-        if self.handoff_at is None and self._last_remaining is not None and remaining >= self._last_remaining:
-            self.fell_back = True  # not converging: MD recomputes slower than RLD decodes
-            return self._act(Step.CUT, eager)
-        if self.mode is HandoffMode.CATCH_UP and remaining > 0:
-            self._last_remaining = remaining
+        if self.mode is HandoffMode.CATCH_UP and eager > self.sent:
+            self._last_remaining = eager - self.sent
             return self._act(Step.SEND_CHUNK, eager)
         return Decision(Step.DECODE)  # nothing new to send yet (or One-Shot held by handoff_at)
+
+    def would_cut(self, eager: int) -> bool:
+        """Whether, once MD has reported, RLD cuts when it holds `eager` tokens (no state changes):
+        the cut RLD can announce to MD while it still makes the last of them."""
+        if self.main_lost:
+            return False
+        if self.handoff_at is not None:
+            return eager >= self.handoff_at
+        remaining = eager - self.sent
+        # or not converging: MD recomputes slower than RLD decodes
+        return self._cut_by_rule(remaining) or (self._last_remaining is not None and remaining >= self._last_remaining)
+
+    def _cut_by_rule(self, remaining: int) -> bool:
+        return self.mode is HandoffMode.ONE_SHOT or remaining < self.threshold
 
     def _act(self, step: Step, eager: int) -> Decision:
         decision = Decision(step, self.sent, eager)

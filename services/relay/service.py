@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 from nats.aio.msg import Msg
@@ -17,7 +18,7 @@ from services.relay.handoff import Decision, HandoffPlan, Step, choose_mode
 from shared import messages, subjects
 from shared.config import HandoffConfig
 from shared.errors import PddError, RequestAborted
-from shared.messages import DecodeAssign, Handoff, KVReady, MainLost, RequestFailed
+from shared.messages import CutComing, DecodeAssign, Handoff, KVReady, MainLost, RequestFailed
 from shared.names import HandoffMode, Role
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,8 @@ class RelayRole:
     def __init__(self, policy: HandoffConfig) -> None:
         self.policy = policy
         self.finished_without_main = 0  # requests RLD finished alone because MD was lost (P-RLD, counted)
+        self._stepping: dict[str, _RunningStep] = {}  # request id -> its step in flight, to announce a cut
+        self.cuts_announced = 0  # CutComing sent to MD
 
     async def subscribe(self, io: DecoderIO) -> None:
         async def on_kv_ready(msg: Msg) -> None:
@@ -41,7 +44,7 @@ class RelayRole:
         await io.subscribe(subjects.main_lost(io.instance_id), on_main_lost)
 
     def stats(self) -> dict[str, float]:
-        return {"finished_without_main": self.finished_without_main}
+        return {"finished_without_main": self.finished_without_main, "cuts_announced": self.cuts_announced}
 
     async def hold_prefix(self, assign: DecodeAssign) -> int:
         return 0
@@ -77,8 +80,22 @@ class RelayRole:
         except PddError:
             return
         request = io.find(ready.request_id)
-        if request is not None:
-            request.peer_messages.put_nowait(ready)
+        if request is None:
+            return
+        request.peer_messages.put_nowait(ready)
+        running = self._stepping.get(ready.request_id)
+        if running is not None:
+            await self._announce_cut(request, io, running)
+
+    async def _announce_cut(self, request: DecodeRequest, io: DecoderIO, running: _RunningStep) -> None:
+        """If the step in flight makes the cut's last token, tell MD when the cut will come, so its
+        engine can hold a step for it instead of starting one the cut must then wait out."""
+        if running.announced or not running.step_s or not running.plan.would_cut(len(request.seq.output_ids) + 1):
+            return
+        running.announced = True
+        self.cuts_announced += 1
+        in_s = max(0.0, running.started + running.step_s - time.monotonic())
+        await io.publish(subjects.handoff(request.assign.main_instance), CutComing(request.request_id, in_s))
 
     def _plan(self, request: DecodeRequest, running: int) -> HandoffPlan:
         mode = (HandoffMode(request.assign.handoff_mode) if request.assign.handoff_mode
@@ -89,6 +106,7 @@ class RelayRole:
         assign, seq = request.assign, request.seq
         plan = self._plan(request, io.running)
         feed = [assign.prompt_ids[-1]]
+        step_s = 0.0  # this request's recent step time, once it has made its first token
         with io.tracer.start_as_current_span("relay.eager_decode") as span:
             span.set_attribute("pdd.handoff_mode", plan.mode.value)
             t0 = time.monotonic()
@@ -105,7 +123,15 @@ class RelayRole:
                         outcome = Phase.HANDED_OFF
                         break
                     continue
-                finish_reason = await io.step(request, feed)
+                running = self._stepping[request.request_id] = _RunningStep(plan, time.monotonic(), step_s)
+                if plan.main_reported:  # a pinned cut (handoff_at) may end with this step
+                    await self._announce_cut(request, io, running)
+                try:
+                    finish_reason = await io.step(request, feed)
+                finally:
+                    del self._stepping[request.request_id]
+                took = time.monotonic() - running.started
+                step_s = took if not step_s else 0.7 * step_s + 0.3 * took
                 feed = [seq.output_ids[-1]]
                 if finish_reason is not None:
                     outcome = Phase.FINISHED
@@ -133,6 +159,16 @@ class RelayRole:
             await io.publish(subjects.handoff(request.assign.main_instance), Handoff(
                 request.request_id, request.seq.output_ids[decision.start:decision.end], finished=False,
                 start=decision.start, final=final, mode=mode.value))
+
+
+@dataclass
+class _RunningStep:
+    """A request's step in flight on RLD: when it began and how long its steps take."""
+
+    plan: HandoffPlan
+    started: float  # time.monotonic()
+    step_s: float  # 0 until a first step was timed (the first one, after the prompt, is no guide)
+    announced: bool = False  # CutComing sent for this step
 
 
 def _note(plan: HandoffPlan, message: object) -> None:

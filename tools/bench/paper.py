@@ -103,7 +103,9 @@ def _recompute(runs: dict[str, Json]) -> tuple[str, float | None]:
     if not extends:
         return "no handoff", None
     std = statistics.pstdev(extends)
-    return f"mean {statistics.mean(extends):.0f}, max {max(extends):.0f}, std {std:.1f} ms ({len(extends)})", None
+    waits = [1000 * r["handoff"].get("extend_wait_s", 0.0) for r in run["requests"] if r.get("ok") and r.get("handoff")]
+    return (f"mean {statistics.mean(extends):.0f}, max {max(extends):.0f}, std {std:.1f} ms ({len(extends)}); "
+            f"of it waiting for MD's step: mean {statistics.mean(waits):.0f}, max {max(waits):.0f} ms"), None
 
 
 def _stall(runs: dict[str, Json]) -> tuple[str, float | None]:
