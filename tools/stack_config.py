@@ -17,6 +17,7 @@ NATS_B = "nats-b"  # two-dc: datacenter B's nats-server
 WAN = "wan"  # two-dc: the WAN emulator between the datacenters
 SERVICES = (Role.PREFILL, Role.RELAY, Role.MAIN, "gateway")
 MODEL_ROLES = tuple(Role)
+PROCESSES = (*SERVICES, NATS, NATS_B, WAN)  # what a stack may start: the names --cpus takes
 STOP_STAGES: tuple[tuple[str, ...], ...] = (("gateway",), (Role.RELAY, Role.MAIN), (Role.PREFILL,), (NATS, NATS_B), (WAN,))
 TOPOLOGIES = ("one-dc", "two-dc")
 DATACENTER = {"gateway": "a", "prefill": "a", "relay": "a", "main": "b"}  # two-dc placement (the gateway: default)
@@ -79,7 +80,7 @@ class StackConfig:
             raise ValueError(f"topology must be one of {TOPOLOGIES}, got {self.topology!r}")
         if self.gateway_datacenter not in DATACENTERS:
             raise ValueError(f"gateway_datacenter must be one of {DATACENTERS}, got {self.gateway_datacenter!r}")
-        unknown = set(self.cpu_affinity) - {*SERVICES, NATS, NATS_B, WAN}
+        unknown = set(self.cpu_affinity) - set(PROCESSES)
         if unknown:
             raise ValueError(f"cpu_affinity names no process of the stack: {sorted(unknown)}")
         if any(not cores for cores in self.cpu_affinity.values()):
@@ -114,7 +115,7 @@ class StackConfig:
         parser.add_argument("--cpus", dest="cpu_affinity", type=parse_cpu_affinity, action="append", default=[],
                             metavar="NAME[,NAME]=CORES",
                             help="pin processes to cores, e.g. prefill=0 or relay,main=1-3 (names: "
-                                 f"{', '.join(SERVICES)}, {NATS}, {NATS_B}, {WAN}); repeatable; default: unpinned")
+                                 f"{', '.join(PROCESSES)}); repeatable; default: unpinned")
         parser.add_argument("--log-dir", type=Path, default=d.log_dir, help="one log file per process")
         parser.add_argument("--log-level", default=d.log_level, help="log level of the services")
         parser.add_argument("--torch-threads", type=int, default=d.torch_threads,
@@ -178,7 +179,7 @@ def parse_cpu_affinity(text: str) -> dict[str, tuple[int, ...]]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"cores must be like 0, 1-3 or 0,2: got {cores_text!r}") from None
     affinity = {name.strip(): tuple(sorted(set(cores))) for name in names.split(",")}
-    unknown = set(affinity) - {*SERVICES, NATS, NATS_B, WAN}
+    unknown = set(affinity) - set(PROCESSES)
     if unknown:
         raise argparse.ArgumentTypeError(f"no process of the stack is named {', '.join(sorted(unknown))}")
     return affinity

@@ -16,7 +16,7 @@ from tools.bench.config import (WORKLOADS, AgenticOptions, BenchConfig, Costs, L
                                  Slo, StackOptions, SyntheticOptions, Target, WanLink)
 from tools.bench.modes import MODES, NOT_AVAILABLE
 from tools.bench.runner import RunResult, run_bench, skipped_modes
-from tools.stack_config import StackError, merge_cpu_affinity, parse_cpu_affinity
+from tools.stack_config import DATACENTERS, StackError, merge_cpu_affinity, parse_cpu_affinity
 from shared.models import DTYPES
 
 ALL_MODES = (*MODES, *NOT_AVAILABLE)
@@ -120,7 +120,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     g.add_argument("--wan-rtt-ms", type=float, default=w.rtt_ms)
     g.add_argument("--wan-jitter-ms", type=float, default=w.jitter_ms)
     g.add_argument("--wan-trace", type=Path, default=None, help="bandwidth trace for the emulator")
-    g.add_argument("--gateway-dc", dest="gateway_datacenter", default=s.gateway_datacenter, choices=("a", "b"),
+    g.add_argument("--gateway-dc", dest="gateway_datacenter", default=s.gateway_datacenter, choices=DATACENTERS,
                    help="the gateway's (and the client's) datacenter: a, beside P and RLD, or b, beside MD")
 
     g = p.add_argument_group("SLOs (goodput) and costs (BCR)")
