@@ -7,7 +7,9 @@ the sender (`KVSender`) keeps one handshaken connection per decoder address, and
 has nothing to send (its chunks still wait for P's engine) its sender writes a KEEPALIVE every
 `keepalive_s`, so the receiver's stall deadline measures the link and P's liveness, never P's
 queue; a held path (`KVTarget.held`) writes only KEEPALIVEs, its chunks queued, until P releases
-it. Progress is counted per connection on both sides: bytes arriving on a connection move
+it. A transfer moved to the background (`OutgoingTransfer.background`: RLD finished the request, MD
+only keeps its KV for the session's next turn) writes small frames at a set pace, and only while
+no other transfer to that decoder is open. Progress is counted per connection on both sides: bytes arriving on a connection move
 every request it carries, and bytes leaving it move the frame P is writing, so frames queued
 behind other requests' frames on a busy link wait, they do not stall. Frames for a request the
 receiver does not expect (late, duplicate, aborted) are read and dropped as they stream in.
@@ -46,6 +48,7 @@ log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
 MAX_FRAME_BYTES = kv_wire.FRAME_PAYLOAD_BYTES
+BACKGROUND_FRAME_BYTES = 128 * 1024  # a background frame: what a new transfer may find ahead of it on the link
 PROGRESS_READ_BYTES = 256 * 1024  # the most a receiver reads at once inside one frame
 LINK_SAMPLE_MIN_BYTES = 1024 * 1024  # a smaller transfer can arrive from buffers faster than the link
 KEEPALIVE_MAX_S = 1.0  # an idle transfer speaks at least this often, whatever the stall timeout
@@ -582,6 +585,8 @@ class KVSender:
         self._pools: dict[tuple[str, int], list[KVConnection]] = {}
         self._connecting: dict[tuple[str, int], asyncio.Lock] = {}
         self._abort_frames: set[asyncio.Task] = set()  # each bounded by ABORT_FRAME_TIMEOUT_S; awaited by close()
+        self._foreground: dict[tuple[str, int], set[OutgoingTransfer]] = {}  # open transfers, not background
+        self._quiet: dict[tuple[str, int], asyncio.Event] = {}  # set while a peer has no foreground transfer
 
     @property
     def keepalive_s(self) -> float:
@@ -607,6 +612,34 @@ class KVSender:
 
     async def connection(self, host: str, port: int) -> KVConnection:
         return (await self.connections(host, port))[0]
+
+    def enter_foreground(self, transfer: OutgoingTransfer) -> None:
+        key = (transfer.target.host, transfer.target.port)
+        self._foreground.setdefault(key, set()).add(transfer)
+        self._quiet.setdefault(key, asyncio.Event()).clear()
+
+    def leave_foreground(self, transfer: OutgoingTransfer) -> None:
+        """Idempotent."""
+        key = (transfer.target.host, transfer.target.port)
+        open_ = self._foreground.get(key)
+        if open_ is None or transfer not in open_:
+            return
+        open_.discard(transfer)
+        if not open_:
+            del self._foreground[key]
+            self._quiet.setdefault(key, asyncio.Event()).set()
+
+    async def wait_quiet(self, host: str, port: int, timeout_s: float) -> bool:
+        """Whether the peer has no foreground transfer open, waiting up to timeout_s for it."""
+        quiet = self._quiet.setdefault((host, port), asyncio.Event())
+        if (host, port) not in self._foreground:
+            quiet.set()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await quiet.wait()
+        except TimeoutError:
+            return False
+        return True
 
     async def _open(self, host: str, port: int) -> KVConnection:
         writer = None
@@ -721,6 +754,9 @@ class OutgoingTransfer(_StateMachine):
         self._released = asyncio.Event()  # a held path sends nothing before it is released
         if not target.held:
             self._released.set()
+        self.background_bytes_per_s = 0.0  # > 0: in the background, paced at this rate (`background`)
+        self.background_from_bytes = 0  # kv_bytes when it moved there
+        sender.enter_foreground(self)
         self._started = time.monotonic()
         self._keepalive_frame = kv_wire.pack_control_frame(kv_wire.FrameKind.KEEPALIVE, request_id, sender.layout,
                                                            sender.wire_dtype)
@@ -739,6 +775,21 @@ class OutgoingTransfer(_StateMachine):
         """Let a held path send what it queued, and the rest as it comes. Idempotent."""
         self._released.set()
 
+    def background(self, bytes_per_s: float) -> None:
+        """Send the rest as background traffic: frames of BACKGROUND_FRAME_BYTES at most bytes_per_s,
+        each only while no other transfer to this decoder is open; held, it is released so."""
+        if self.ended or bytes_per_s <= 0:
+            return
+        self.background_bytes_per_s = bytes_per_s
+        self.background_from_bytes = self.kv_bytes
+        self.sender.leave_foreground(self)
+        self._released.set()
+
+    @property
+    def background_bytes(self) -> int:
+        """What it sent since it moved to the background."""
+        return self.kv_bytes - self.background_from_bytes if self.background_bytes_per_s else 0
+
     async def finish(self) -> TransferResult:
         """Every chunk is queued: wait until the last one is written (or the transfer ended)."""
         if not self.ended:
@@ -752,6 +803,7 @@ class OutgoingTransfer(_StateMachine):
             return
         self._move(TransferState.ABORTED)
         self.error = reason
+        self.sender.leave_foreground(self)
         self._task.cancel()
         self.sender.send_abort_frame(self.request_id, self.target.host, self.target.port)
 
@@ -773,7 +825,7 @@ class OutgoingTransfer(_StateMachine):
                         holding.enter_context(conn.held())
                     first_byte_at = await self._stream(conns)
             self._move(TransferState.DONE)
-            if first_byte_at is not None:
+            if first_byte_at is not None and not self.background_bytes_per_s:  # a paced one is not the link's rate
                 self.sender.throughput.observe(f"{host}:{port}", self.kv_bytes, time.monotonic() - first_byte_at)
         except asyncio.CancelledError:
             raise
@@ -783,6 +835,8 @@ class OutgoingTransfer(_StateMachine):
         except (PddError, OSError) as exc:
             self.sender.drop(host, port)
             self._fail(f"KV send to {self.target.role} failed: {exc}")
+        finally:
+            self.sender.leave_foreground(self)
 
     async def _stream(self, conns: list[KVConnection]) -> float | None:
         """Every queued chunk, as frames spread over `conns`, until the end mark; returns when the
@@ -804,9 +858,26 @@ class OutgoingTransfer(_StateMachine):
             if self.state is TransferState.WAITING:
                 self._move(TransferState.TRANSFERRING)
                 first_byte_at = time.monotonic()
+            if self.background_bytes_per_s:
+                await self._send_in_background(conns, token_start, item)
+                continue
             frames = await asyncio.to_thread(self._frames, token_start, item)  # conversion and crc32 off the loop
             self.kv_bytes += sum(len(header) + len(payload) for header, payload in frames)
             await asyncio.gather(*(self._write_frames(conn, frames[i::len(conns)]) for i, conn in enumerate(conns)))
+
+    async def _send_in_background(self, conns: list[KVConnection], token_start: int, kv: torch.Tensor) -> None:
+        """A chunk as small frames, one at a time, each once no foreground transfer to the decoder is
+        open, then a pause that keeps the average at background_bytes_per_s: a new transfer finds at
+        most one small frame ahead of it (the link's buffers may hold more than P can see)."""
+        host, port = self.target.host, self.target.port
+        frames = await asyncio.to_thread(self._frames, token_start, kv, BACKGROUND_FRAME_BYTES)
+        for i, frame in enumerate(frames):
+            while not await self.sender.wait_quiet(host, port, self.sender.keepalive_s):
+                await asyncio.gather(*(self._write(conn, self._keepalive_frame) for conn in conns))
+            size = len(frame[0]) + len(frame[1])
+            self.kv_bytes += size
+            await self._write(conns[i % len(conns)], *frame)
+            await asyncio.sleep(size / self.background_bytes_per_s)
 
     async def _wait_for_release(self, conns: list[KVConnection]) -> None:
         """While held, a KEEPALIVE every keepalive_s, as while waiting for P's next chunk."""
@@ -817,12 +888,13 @@ class OutgoingTransfer(_StateMachine):
             except TimeoutError:
                 await asyncio.gather(*(self._write(conn, self._keepalive_frame) for conn in conns))
 
-    def _frames(self, token_start: int, kv: torch.Tensor) -> list[tuple[bytes, memoryview]]:
-        """Cut a chunk into frames of at most MAX_FRAME_BYTES, so they spread over connections
-        and a stalled link is noticed within one small frame's time."""
+    def _frames(self, token_start: int, kv: torch.Tensor,
+                frame_bytes: int = MAX_FRAME_BYTES) -> list[tuple[bytes, memoryview]]:
+        """Cut a chunk into frames of at most frame_bytes (or one token's KV), so they spread over
+        connections and a stalled link is noticed within one small frame's time."""
         tokens = kv.shape[3]
         token_bytes = max(1, kv[:, :, :, :1].numel() * self.sender.wire_dtype.itemsize)
-        step = max(1, min(tokens, MAX_FRAME_BYTES // token_bytes))
+        step = max(1, min(tokens, frame_bytes // token_bytes))
         return [kv_wire.pack_data_frame(self.request_id, 0, token_start + offset,
                                         kv[:, :, :, offset:offset + step], self.sender.wire_dtype)
                 for offset in range(0, tokens, step)]

@@ -61,6 +61,8 @@ class DecodeAssign:
     owner: str = ""  # the gateway that dispatched it: the one that may call it orphaned (Heartbeat.held)
     output_offset: int = 0  # a migrated request: output tokens the client already has (the prompt ends with
     # them); the sampler draws token i as output token output_offset + i, and TokenChunk indices stay local
+    backfill: bool = False  # MD: should RLD finish the request first, the gateway may ask P to send MD its KV
+    # anyway (Abort.backfill_bytes_per_s), for MD's DRC; MD then waits for it rather than dropping the request
 
     @property
     def kv_tokens(self) -> int:
@@ -75,6 +77,7 @@ class DecodeAccepted:
     kv_host: str
     kv_port: int
     cached_tokens: int = 0  # MD: prompt tokens its DRC holds (locked); P sends KV from here on
+    backfill: bool = False  # MD: it would keep the KV of this request should RLD finish it first (its DRC)
 
 
 @dataclass(frozen=True)
@@ -226,6 +229,9 @@ class MainLost:
 class Abort:
     request_id: str
     reason: str
+    # finished_on_relay: P still sends MD's KV, in the background at this pace, and MD keeps it in its
+    # DRC for the session's next turn, instead of both dropping it (0: they drop it)
+    backfill_bytes_per_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,11 @@ class PrefillMetrics(_RoleMetrics):
         self.kv_transfers = Counter("pdd_kv_transfers", "KV paths by target role and outcome (done, failed, aborted)",
                                     ["target", "outcome"], registry=r)
         self.kv_held_paths = Counter("pdd_kv_held_paths", "KV paths held back while RLD was predicted to finish "
-                                     "first, by outcome (released, never_sent)", ["outcome"], registry=r)
+                                     "first, by outcome (released, never_sent, backfilled)", ["outcome"], registry=r)
+        self.backfill_bytes = Counter("pdd_kv_backfill_bytes", "KV bytes sent to MD in the background, after RLD "
+                                      "finished the request alone, for MD's DRC (frame headers included)", registry=r)
+        self.backfills = Counter("pdd_kv_backfills", "MD paths moved to the background because RLD finished first, "
+                                 "by outcome (done, failed, aborted)", ["outcome"], registry=r)
         self.relay_finished_wan_bytes = Counter("pdd_relay_finished_wan_bytes", "KV bytes sent toward MD for "
                                                 "requests RLD finished alone (frame headers included)", registry=r)
         self.relay_finished_kv_bytes = Counter("pdd_relay_finished_kv_bytes", "KV MD lacked of the requests RLD "

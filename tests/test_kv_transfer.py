@@ -442,3 +442,35 @@ async def test_the_receiver_measures_the_link_not_the_pauses_between_chunks(rece
     assert 2 * MIB < inbox.link_bytes_per_s < 6 * MIB, inbox.link_bytes_per_s / MIB
     assert receiver.expect(_rid(), 0, 16).link_bytes_per_s is None, "under 1 MiB: buffers could deliver it"
     await sender.close()
+
+
+async def test_a_background_transfer_waits_for_the_foreground_then_keeps_its_pace(receiver: KVReceiver) -> None:
+    """RLD finished the request: MD's KV still goes, but only while no other transfer to MD is open,
+    and no faster than the pace it was given (small frames, so a new transfer finds little ahead)."""
+    sender = KVSender(LAYOUT, torch.float32, 2.0)
+    kv = torch.randn(4, 2, 2, 600, 16)  # 300 KB: three background frames, enough to measure a link from
+    rid_fg, rid_bg = _rid(), _rid()
+    inbox_fg = receiver.expect(rid_fg, 0, 50)
+    inbox_bg = receiver.expect(rid_bg, 0, 600)
+    foreground = OutgoingTransfer(sender, KVTarget(Role.MAIN, "127.0.0.1", receiver.port), rid_fg, queue_chunks=2,
+                                  deadline_s=10)
+    held = KVTarget(Role.MAIN, "127.0.0.1", receiver.port, held=True)
+    background = OutgoingTransfer(sender, held, rid_bg, queue_chunks=2, deadline_s=10)
+    await background.put(0, kv)
+    background.background(bytes_per_s=400_000)
+    assert not background.held
+    await asyncio.sleep(0.3)
+    assert inbox_bg.bytes_received == 0, "nothing while the foreground transfer is open"
+
+    await foreground.put(0, torch.randn(4, 2, 2, 50, 16))
+    assert (await foreground.finish()).state is TransferState.DONE
+    started = time.monotonic()
+    result = await background.finish()
+    took = time.monotonic() - started
+    assert result.state is TransferState.DONE
+    assert torch.equal(await inbox_bg.wait(5), kv)
+    await inbox_fg.wait(5)
+    assert background.background_bytes == result.kv_bytes > kv.numel() * 4
+    assert took >= 0.8 * result.kv_bytes / 400_000, "paced"
+    assert not sender.throughput.bytes_per_s, "a paced transfer is no measure of the link"
+    await sender.close()

@@ -1,10 +1,15 @@
 """Don't pay the WAN for what RLD will finish: on real processes with the tiny model, P holds MD's KV
-stream back while RLD is predicted to finish first, and sends it once RLD turns out slower.
+stream back while RLD is predicted to finish first, and sends it once RLD turns out slower. When RLD
+does finish first, MD's KV follows in the background (the backfill) for MD's DRC, or, with
+`--backfill-link-share 0`, never crosses at all.
 
 The gateway believes MD's link carries 4 Mbit/s (--wan-mbps-guess; 240-token prompts stay below
 the size P measures a link from), so a fresh prompt's 245 KB take MD 0.5 s after RLD could start.
 """
 from __future__ import annotations
+
+import asyncio
+import time
 
 import aiohttp
 import pytest
@@ -19,13 +24,23 @@ PROMPT_TOKENS = 240
 KV_BYTES_PER_TOKEN = 1024  # the tiny model, float32
 
 
+def held_stack_config(log_dir, *gateway_flags: str) -> StackConfig:
+    # the step guess is far below the tiny model's real pace: the first request is held, then released
+    return StackConfig(model="tiny", port=0, log_dir=log_dir, torch_threads=1, chunk_tokens=64, pipeline="auto",
+                       startup_timeout_s=120,
+                       extra_args={"gateway": ["--wan-mbps-guess", "4", "--decode-step-s-guess", "0.00001",
+                                               *gateway_flags]})
+
+
 @pytest.fixture(scope="module")
 async def stack(tmp_path_factory):
-    # the step guess is far below the tiny model's real pace: the first request is held, then released
-    config = StackConfig(model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1,
-                         chunk_tokens=64, pipeline="auto", startup_timeout_s=120,
-                         extra_args={"gateway": ["--wan-mbps-guess", "4", "--decode-step-s-guess", "0.00001"]})
-    async with LocalStack(config) as running:
+    async with LocalStack(held_stack_config(tmp_path_factory.mktemp("logs"))) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+async def stack_without_backfill(tmp_path_factory):
+    async with LocalStack(held_stack_config(tmp_path_factory.mktemp("logs"), "--backfill-link-share", "0")) as running:
         yield running
 
 
@@ -51,17 +66,59 @@ async def test_a_held_stream_is_released_when_relay_is_slower_than_predicted(sta
     assert result.token_ids == tiny_generate(prompt, 400)
 
 
-async def test_a_short_answer_sends_nothing_over_the_wan(stack, session, tiny_generate):
-    before = (await fresh_heartbeats(stack.nats_url, ("prefill",)))["prefill"].stats
+async def prefill_stats(stack: LocalStack) -> dict[str, float]:
+    return (await fresh_heartbeats(stack.nats_url, ("prefill",)))["prefill"].stats
+
+
+async def backfills_ended(stack: LocalStack, before: dict[str, float], timeout_s: float = 30.0) -> dict[str, float]:
+    """P's stats once a backfill started after `before` has ended (done, failed or aborted)."""
+    ended = ("backfills_done", "backfills_failed", "backfills_aborted")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = await prefill_stats(stack)
+        if sum(stats[k] for k in ended) > sum(before[k] for k in ended) or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.2)
+
+
+async def test_a_short_answer_sends_nothing_over_the_wan_then_backfills_mds_cache(stack, session, tiny_generate):
+    before = await prefill_stats(stack)
     prompt = random_prompt(2, PROMPT_TOKENS)
     result = await complete(session, stack, prompt, 4)
     assert result.summary["pipeline"] == "p-rld-md" and set(result.tiers) == {"relay"}
+    assert result.summary["policy"]["main_kv_held"]
     assert result.token_ids == tiny_generate(prompt, 4)
-    after = (await fresh_heartbeats(stack.nats_url, ("prefill",)))["prefill"].stats
+    after = await backfills_ended(stack, before)
     assert after["relay_finished_kv_bytes"] - before["relay_finished_kv_bytes"] == (PROMPT_TOKENS - 1) * KV_BYTES_PER_TOKEN
+    assert after["relay_finished_wan_bytes"] == before["relay_finished_wan_bytes"], "nothing crossed while RLD ran"
+    assert after["backfills_done"] == before["backfills_done"] + 1
+    assert after["backfill_wan_bytes"] - before["backfill_wan_bytes"] >= (PROMPT_TOKENS - 1) * KV_BYTES_PER_TOKEN
+    assert await gateway_counter(session, stack, "pdd_finished_on_relay_total") >= 1
+
+    # the session's next turn: MD's DRC holds the whole first prompt, only the new turn crosses
+    turn = prompt + random_prompt(12, 16)
+    for _ in range(50):  # MD's cache events reach the gateway's index a moment after the keep
+        result = await complete(session, stack, turn, 4)
+        if result.summary["cached_tokens"]["main"]:
+            break
+        await asyncio.sleep(0.1)
+    assert result.summary["cached_tokens"]["main"] == PROMPT_TOKENS - 1
+    assert result.token_ids == tiny_generate(turn, 4)
+
+
+async def test_without_backfill_a_short_answer_never_sends_mds_kv(stack_without_backfill, session, tiny_generate):
+    stack = stack_without_backfill
+    before = await prefill_stats(stack)
+    prompt = random_prompt(22, PROMPT_TOKENS)
+    result = await complete(session, stack, prompt, 4)
+    assert result.summary["pipeline"] == "p-rld-md" and set(result.tiers) == {"relay"}
+    assert result.token_ids == tiny_generate(prompt, 4)
+    after = await prefill_stats(stack)
     assert after["relay_finished_wan_bytes"] == before["relay_finished_wan_bytes"], "MD's stream never left P"
     assert after["kv_bytes_saved_by_abort"] > before["kv_bytes_saved_by_abort"]
-    assert await gateway_counter(session, stack, "pdd_finished_on_relay_total") >= 1
+    assert after["backfill_wan_bytes"] == before["backfill_wan_bytes"] == 0
+    result = await complete(session, stack, prompt + random_prompt(23, 16), 4)
+    assert result.summary["cached_tokens"]["main"] == 0, "MD never got the first turn"
 
 
 async def test_a_request_that_names_its_handoff_is_never_held(stack, session, tiny_generate):

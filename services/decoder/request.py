@@ -75,6 +75,7 @@ class DecodeRequest:
     peer_messages: asyncio.Queue[PeerMessage] = field(default_factory=asyncio.Queue)  # for the role's decode
     task: asyncio.Task | None = None
     span: trace.Span | None = None  # `<role>.request`, for an abort to mark
+    backfill: bool = False  # MD: RLD finished it; MD only waits for its KV to keep it (not the gateway's any more)
 
     @property
     def request_id(self) -> str:

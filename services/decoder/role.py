@@ -14,7 +14,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from services.decoder.request import DecodeRequest, Phase
-from shared.messages import DecodeAssign
+from shared.messages import Abort, DecodeAssign
 from shared.metrics import DecoderMetrics
 from shared.names import Role
 
@@ -83,3 +83,9 @@ class DecoderRole(Protocol):
 
     def release(self, request: DecodeRequest) -> None:
         """Drop whatever the role holds for the request; called once on every path."""
+
+    def can_backfill(self) -> bool:
+        """Whether it keeps the KV of a request RLD finished first, if P sends it anyway (MD's DRC)."""
+
+    def keeps_after_abort(self, request: DecodeRequest, abort: Abort) -> bool:
+        """Whether the request carries on after this Abort (MD: waits for its KV, for the DRC)."""

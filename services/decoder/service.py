@@ -102,7 +102,7 @@ class DecoderService:
                  "frames_dropped": self.receiver.frames_dropped, **self.engine.stats(), **self.role.stats()}
         held: dict[str, list[str]] = {}
         for request in self.requests.values():
-            if request.assign.owner:
+            if request.assign.owner and not request.backfill:  # a backfill is no longer the gateway's
                 held.setdefault(request.assign.owner, []).append(request.request_id)
         return Heartbeat(self.name, self.instance_id, self.config.advertise_host, self.advertise_port,
                          self.layout.model_id, len(self.requests), self.engine.waiting, now(), {}, stats, held)
@@ -122,7 +122,8 @@ class DecoderService:
         self.requests[assign.request_id] = request
         request.task = asyncio.create_task(self._serve(request), name=f"{self.name}-{assign.request_id}")
         await msg.respond(messages.encode(DecodeAccepted(
-            assign.request_id, self.instance_id, self.config.advertise_host, self.advertise_port, cached)))
+            assign.request_id, self.instance_id, self.config.advertise_host, self.advertise_port, cached,
+            backfill=assign.backfill and self.role.can_backfill())))
 
     async def _on_abort(self, msg: Msg) -> None:
         try:
@@ -131,6 +132,9 @@ class DecoderService:
             return
         request = self.requests.get(abort.request_id)
         if request is not None and request.task is not None and request.phase.cancellable:
+            if self.role.keeps_after_abort(request, abort):
+                log.info("%s: RLD finished it; waiting for its KV in the background, for the cache", abort.request_id)
+                return
             self.metrics.aborts.labels(abort.reason).inc()
             if request.span is not None:
                 tracing.mark_aborted(request.span, abort.reason)

@@ -21,8 +21,8 @@ from shared import messages, subjects
 from shared.config import CacheConfig
 from shared.errors import PddError
 from shared.kv_transfer import TransferState
-from shared.messages import CacheEvents, CutComing, DecodeAssign, Handoff, HandoffStats, KVReady
-from shared.names import Pipeline, Role
+from shared.messages import Abort, CacheEvents, CutComing, DecodeAssign, Handoff, HandoffStats, KVReady
+from shared.names import AbortReason, Pipeline, Role
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,19 @@ class MainRole:
         if self.drc is not None:
             self.drc.unlock(request.request_id)
 
+    def can_backfill(self) -> bool:
+        return self.drc is not None
+
+    def keeps_after_abort(self, request: DecodeRequest, abort: Abort) -> bool:
+        """RLD finished the request and P sends its KV anyway (a backfill): wait for it, keep it in
+        the DRC, so the session's next turn hits here; the request then ends as RELAY_FINISHED."""
+        if not (abort.reason == AbortReason.FINISHED_ON_RELAY and abort.backfill_bytes_per_s > 0
+                and request.assign.backfill and self.can_backfill()):
+            return False
+        request.backfill = True
+        request.peer_messages.put_nowait(Handoff(request.request_id, [], finished=True))  # if RLD's never came
+        return True
+
     async def settle(self, request: DecodeRequest, io: DecoderIO) -> None:
         if request.phase is Phase.RELAY_FINISHED:  # a finished request was kept before its last token went out
             await self._keep(request, io)
@@ -70,8 +83,10 @@ class MainRole:
             if request.seq is not None and request.seq.kv is not None:  # admitted: the engine can hold for it
                 io.expect(request, handoff.in_s)
             return
-        if handoff.finished and request.inbox.state is not TransferState.DONE and request.task is not None:
+        if (handoff.finished and request.inbox.state is not TransferState.DONE and request.task is not None
+                and not (request.assign.backfill and self.can_backfill())):
             # RLD finished before our KV arrived: drop the transfer now, not at the gateway's abort
+            # (with a backfill asked for, the gateway's abort says whether P sends it anyway)
             request.task.cancel()
             return
         request.peer_messages.put_nowait(handoff)

@@ -63,6 +63,9 @@ class PrefillService:
         self.kv_bytes_saved_by_abort = 0  # KV that never crossed because the request ended first
         self.relay_finished_wan_bytes = 0  # sent toward MD for requests RLD finished alone
         self.relay_finished_kv_bytes = 0  # the KV MD lacked of those requests
+        self.backfill_wan_bytes = 0  # sent to MD in the background after RLD finished (`_backfill`)
+        self.backfills_started = 0
+        self.backfills = {"done": 0, "failed": 0, "aborted": 0}  # by how they ended
         # the MD path of jobs that ended, (bytes sent, KV owed), until the gateway's Abort says who finished
         self._ended_main_paths: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._tasks: set[asyncio.Task] = set()
@@ -99,6 +102,9 @@ class PrefillService:
                  "kv_bytes_per_token": self.kv_bytes_per_token, "chunk_tokens": self.config.chunk_tokens,
                  "relay_finished_wan_bytes": self.relay_finished_wan_bytes,
                  "relay_finished_kv_bytes": self.relay_finished_kv_bytes,
+                 "backfill_wan_bytes": self.backfill_wan_bytes,
+                 "backfills_started": self.backfills_started,
+                 **{f"backfills_{outcome}": n for outcome, n in self.backfills.items()},
                  **(self.cache.gauges() if self.cache is not None else {})}
         return Heartbeat(ROLE, self.instance_id, "", 0, self.layout.model_id, len(self.jobs), 0, now(),
                          dict(self.sender.throughput.bytes_per_s), stats)
@@ -175,6 +181,9 @@ class PrefillService:
         job = self.jobs.get(abort.request_id)
         if job is None or job.ended or job.task is None:
             return
+        if abort.reason == AbortReason.FINISHED_ON_RELAY and abort.backfill_bytes_per_s > 0 and self._backfill(
+                job, abort.backfill_bytes_per_s):
+            return
         self.metrics.aborts.labels(abort.reason).inc()
         if job.span is not None:
             tracing.mark_aborted(job.span, abort.reason)
@@ -183,6 +192,30 @@ class PrefillService:
             self.kv_bytes_saved_by_abort += job.unsent_kv_bytes(transfer, self.kv_bytes_per_token)
             transfer.abort(abort.reason)
         job.task.cancel()
+
+    def _backfill(self, job: PrefillJob, bytes_per_s: float) -> bool:
+        """RLD finished the job's request before MD had its KV: send MD the rest anyway, in the
+        background, for its DRC (the job ends when it is sent). False: no MD path left to send."""
+        main = [t for t in job.open_transfers() if t.target.role == Role.MAIN]
+        if not main:
+            return False
+        for transfer in job.open_transfers():
+            if transfer.target.role != Role.MAIN:
+                transfer.abort(AbortReason.FINISHED_ON_RELAY)
+        if main[0].held:
+            self.metrics.kv_held_paths.labels("backfilled").inc()
+        main[0].background(bytes_per_s)
+        self.backfills_started += 1
+        log.info("%s: RLD finished first; MD's KV follows in the background at %.1f MB/s",
+                 job.request_id, bytes_per_s / 1e6)
+        return True
+
+    def _count_backfill(self, transfer: OutgoingTransfer) -> None:
+        outcome = {TransferState.DONE: "done", TransferState.FAILED: "failed"}.get(transfer.state, "aborted")
+        self.backfills[outcome] += 1
+        self.backfill_wan_bytes += transfer.background_bytes
+        self.metrics.backfills.labels(outcome).inc()
+        self.metrics.backfill_bytes.inc(transfer.background_bytes)
 
     async def _on_release(self, msg: Msg) -> None:
         try:
@@ -309,6 +342,8 @@ class PrefillService:
                 self._end_transfer_span(job, transfer, transfer.state, transfer.error)
                 if transfer.held:
                     self.metrics.kv_held_paths.labels("never_sent").inc()
+                if transfer.background_bytes_per_s:
+                    self._count_backfill(transfer)
             self._remember_main_path(job)
             self.jobs.pop(req.request_id, None)
             await asyncio.gather(*(transfer.wait_closed() for transfer in job.transfers))  # pumps end with the job

@@ -18,7 +18,7 @@ from services.relay.handoff import Decision, HandoffPlan, Step, choose_mode
 from shared import messages, subjects
 from shared.config import HandoffConfig
 from shared.errors import PddError, RequestAborted
-from shared.messages import CutComing, DecodeAssign, Handoff, KVReady, MainLost, RequestFailed
+from shared.messages import Abort, CutComing, DecodeAssign, Handoff, KVReady, MainLost, RequestFailed
 from shared.names import HandoffMode, Role
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,12 @@ class RelayRole:
 
     def release(self, request: DecodeRequest) -> None:
         pass
+
+    def can_backfill(self) -> bool:
+        return False
+
+    def keeps_after_abort(self, request: DecodeRequest, abort: Abort) -> bool:
+        return False
 
     async def _on_main_lost(self, io: DecoderIO, msg: Msg) -> None:
         try:

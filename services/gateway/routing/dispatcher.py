@@ -301,7 +301,8 @@ class Dispatcher:
                 assign = DecodeAssign(
                     req.request_id, pipeline, req.prompt_ids, req.sampling, attempt.instances.get(Role.RELAY),
                     attempt.instances.get(Role.MAIN, ""), self.config.request_timeout_s, req.handoff_at,
-                    handoff_mode=req.handoff_mode, owner=self.config.common.instance_id, output_offset=output_offset)
+                    handoff_mode=req.handoff_mode, owner=self.config.common.instance_id, output_offset=output_offset,
+                    backfill=self.config.backfill_link_share > 0)
                 decoders = [(role, chosen[role]) for role in (Role.MAIN, Role.RELAY) if role in chosen]
                 accepted = await asyncio.gather(*(self._call(role, inst, assign, headers) for role, inst in decoders))
                 targets = [KVTarget(role, acc.kv_host, acc.kv_port, acc.cached_tokens,
@@ -313,6 +314,7 @@ class Dispatcher:
                     prompt_logprobs=req.prompt_logprobs), headers)
                 attempt.cached_tokens = prefill_accepted.cached_tokens
                 attempt.main_cached_tokens = accepted[0].cached_tokens if Role.MAIN in chosen else 0
+                attempt.main_backfill = Role.MAIN in chosen and accepted[0].backfill
                 span.set_attributes({"pdd.prefill_cached_tokens": attempt.cached_tokens,
                                      "pdd.main_cached_tokens": attempt.main_cached_tokens})
         except BaseException:
@@ -350,15 +352,27 @@ class Dispatcher:
         self._watches.pop(attempt.request_id, None)
         main_started = attempt.request_id in self._main_started
         self._main_started.discard(attempt.request_id)
+        backfill_bytes_per_s = 0.0
         if reason == AbortReason.FINISHED and Role.MAIN in attempt.instances and not main_started:
             reason = AbortReason.FINISHED_ON_RELAY  # P counts what its MD path sent for nothing
             self.metrics.finished_on_relay.inc()
+            backfill_bytes_per_s = self._backfill_bytes_per_s(attempt)
         for instance_id in attempt.instances.values():
             self.registry.done(instance_id)
         try:
-            await bus.publish(self.nc, subjects.abort(), Abort(attempt.request_id, reason))
+            await bus.publish(self.nc, subjects.abort(), Abort(attempt.request_id, reason, backfill_bytes_per_s))
         except Exception as exc:  # the tiers' own deadlines still free the attempt
             log.warning("%s: abort not broadcast: %s", attempt.request_id, exc)
+
+    def _backfill_bytes_per_s(self, attempt: Attempt) -> float:
+        """The pace of MD's KV for a request RLD finished alone: a share of the link rate the
+        pipeline choice assumed (0: no backfill)."""
+        share = self.config.backfill_link_share
+        if share <= 0 or not attempt.main_backfill:
+            return 0.0
+        link = (attempt.decision.link_bytes_per_s if attempt.decision is not None else 0.0) \
+            or self.policy.default_link_bytes_per_s
+        return share * link
 
     async def abort_orphans(self, heartbeat: Heartbeat) -> None:
         """Abort again what an instance still holds for this gateway but the gateway let go.

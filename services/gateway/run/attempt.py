@@ -86,6 +86,7 @@ class Attempt:
     instances: dict[Role, str]  # role -> instance id
     cached_tokens: int = 0  # P's prefix-cache hit: prompt tokens not computed again
     main_cached_tokens: int = 0  # MD's DRC hit: prompt tokens whose KV did not cross the WAN
+    main_backfill: bool = False  # MD would keep the KV should RLD finish first (DecodeAccepted.backfill)
     phase: AttemptPhase = AttemptPhase.DISPATCHED
     prefill: PrefillDone | None = None  # P's report that every KV path is sent
     lost: set[Role] = field(default_factory=set)  # roles lost (and recovered from, or ignored)
