@@ -168,6 +168,7 @@ def test_counters_add_up(bench):
             assert d["relay_finished_wan_bytes"] is None
         else:  # P's own count of what crossed for requests RLD finished alone
             assert 0 <= d["relay_finished_wan_bytes"] and 0 <= d["relay_finished_kv_bytes"]
+            assert 0 <= d["backfill_wan_bytes"] and (d["backfill_wan_bytes"] == 0 or d["finished_by_relay"] > 0)
             assert d["relay_finished_kv_bytes"] > 0 or d["finished_by_relay"] == 0
 
 
@@ -208,6 +209,23 @@ def test_agentic_workload_mixes_long_sessions_and_fresh_requests():
     assert all(b.arrival_s >= a.arrival_s for a, b in zip(w.requests, w.requests[1:]))
     high = agentic_workload(replace(opts, hit_rate=0.99), 50, 2.0, seed=1)
     assert all(r.session is not None for r in high.requests) and high.planned_hit_rate > 0.985
+
+
+def test_agentic_turns_answered_by_tool_calls_are_short_and_the_history_follows():
+    opts = AgenticOptions(hit_rate=0.9, prefix_tokens=256, output_tokens=64, turns_per_session=8,
+                          max_context_tokens=4096, tool_call_share=0.75, tool_call_tokens=6)
+    w = agentic_workload(opts, 32, 2.0, seed=1)
+    turns = [r for r in w.requests if r.session is not None]
+    assert sorted({r.max_tokens for r in turns}) == [6, 64]
+    assert sum(r.max_tokens == 6 for r in turns) == round(0.75 * len(turns)) == w.params["tool_calls"]
+    assert {r.max_tokens for r in w.requests if r.session is None} <= {64}, "fresh requests keep the long answer"
+    for s in {r.session for r in turns}:  # each turn's history is the last turn's prompt and answer
+        own = [r for r in turns if r.session == s]
+        for last, nxt in zip(own, own[1:]):
+            assert nxt.planned_hit_tokens == last.planned_prompt_tokens + last.max_tokens
+    plain = agentic_workload(replace(opts, tool_call_share=0.0), 32, 2.0, seed=1)
+    assert {r.max_tokens for r in plain.requests} == {64}
+    assert [r.arrival_s for r in plain.requests] == [r.arrival_s for r in w.requests]
 
 
 def test_mooncake_equal_block_ids_make_equal_prefixes():
@@ -271,6 +289,21 @@ def test_placement_flags_reach_every_modes_stack(tmp_path):
     assert config_from_args(parser.parse_args(["bench", "--out", str(tmp_path)])).stack.cpu_affinity == ()
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "--cpus", "decoder=0"])
+
+
+def test_service_flags_reach_every_modes_stack(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    cfg = config_from_args(parser.parse_args([
+        "bench", "--service-flags", "gateway=--backfill-link-share 0", "--service-flags", "main=--hold-steps 1",
+        "--service-flags", "gateway=--warm-prefill-tokens 64", "--out", str(tmp_path)]))
+    for mode in ("pdd", "pd-local"):
+        extra = stack_config(MODES[mode], cfg, tmp_path).extra_args
+        assert extra["gateway"][:4] == ["--backfill-link-share", "0", "--warm-prefill-tokens", "64"]
+        assert extra["main"][:2] == ["--hold-steps", "1"]
+    for bad in ("decoder=--x 1", "gateway", "gateway='unclosed"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["bench", "--service-flags", bad])
 
 
 def test_the_paper_scenario_presets_what_was_left_at_its_default(tmp_path):

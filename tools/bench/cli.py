@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import logging
 import math
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -83,6 +84,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     g.add_argument("--cpus", dest="cpu_affinity", type=parse_cpu_affinity, action="append", default=[],
                    metavar="NAME[,NAME]=CORES", help="pin processes to cores in every mode, e.g. prefill=0 "
                                                      "--cpus relay,main=1 (as pdd up); default: unpinned")
+    g.add_argument("--service-flags", dest="service_flags", type=_service_flags, action="append", default=[],
+                   metavar="ROLE=FLAGS", help="more flags for one service in every mode, e.g. gateway='--backfill-"
+                                              "link-share 0'; repeatable; ROLE one of " + ", ".join(SERVICE_ROLES))
 
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=float, default=ld.request_rate,
@@ -102,6 +106,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     g.add_argument("--turns-per-session", type=int, default=a.turns_per_session)
     g.add_argument("--high-hit", type=float, default=a.high_hit, help="hit of a long-running session's turn")
     g.add_argument("--max-context-tokens", type=int, default=a.max_context_tokens)
+    g.add_argument("--tool-call-share", type=float, default=a.tool_call_share,
+                   help="of session turns, those answered by a short tool call instead (0-1)")
+    g.add_argument("--tool-call-tokens", type=int, default=a.tool_call_tokens, help="a tool call's length")
 
     g = p.add_argument_group("mooncake workload")
     g.add_argument("--trace", type=Path, default=m.path)
@@ -143,6 +150,27 @@ def _apply_scenario(args: argparse.Namespace) -> None:
             setattr(args, dest, value)
 
 
+SERVICE_ROLES = ("prefill", "relay", "main", "gateway", "wan")
+
+
+def _service_flags(text: str) -> tuple[str, tuple[str, ...]]:
+    role, sep, flags = text.partition("=")
+    if not sep or role not in SERVICE_ROLES:
+        raise argparse.ArgumentTypeError(f"{text!r}: want ROLE=FLAGS with ROLE one of {', '.join(SERVICE_ROLES)}")
+    try:
+        return role, tuple(shlex.split(flags))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from exc
+
+
+def _merge_service_flags(given: list[tuple[str, tuple[str, ...]]]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """One entry per role, its flags in the order given."""
+    merged: dict[str, tuple[str, ...]] = {}
+    for role, flags in given:
+        merged[role] = merged.get(role, ()) + flags
+    return tuple(merged.items())
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     _apply_scenario(args)
     out = args.out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
@@ -154,7 +182,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                            chunk_tokens=args.chunk_tokens, cache_bytes=args.cache_bytes,
                            startup_timeout_s=args.startup_timeout_s, log_dir=out / "logs",
                            gateway_datacenter=args.gateway_datacenter,
-                           cpu_affinity=tuple(merge_cpu_affinity(args.cpu_affinity).items())),
+                           cpu_affinity=tuple(merge_cpu_affinity(args.cpu_affinity).items()),
+                           extra_args=_merge_service_flags(args.service_flags)),
         load=LoadOptions(request_rate=args.request_rate, max_concurrency=args.max_concurrency,
                          max_requests=args.max_requests, duration_s=args.duration_s,
                          request_timeout_s=args.request_timeout_s, warmup_requests=args.warmup_requests,
@@ -163,7 +192,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         slo=Slo(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms),
         costs=Costs(args.cost_prefill, args.cost_relay, args.cost_main),
         agentic=AgenticOptions(args.hit_rate, args.prefix_tokens, args.output_tokens, args.turns_per_session,
-                               args.high_hit, args.max_context_tokens),
+                               args.high_hit, args.max_context_tokens, args.tool_call_share, args.tool_call_tokens),
         mooncake=MooncakeOptions(args.trace, args.block_tokens, args.max_input_tokens, args.max_output_tokens,
                                  args.time_scale, args.trace_skip),
         synthetic=SyntheticOptions(args.input_len, args.output_len),

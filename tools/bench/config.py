@@ -65,6 +65,8 @@ class AgenticOptions:
     turns_per_session: int = 8
     high_hit: float = 0.95  # a long-running session's per-turn hit; fresh requests (hit 0) make up the rest
     max_context_tokens: int = 2048
+    tool_call_share: float = 0.0  # of session turns, those answered by a short tool call instead
+    tool_call_tokens: int = 8  # a tool call's length
 
 
 @dataclass(frozen=True)

@@ -56,8 +56,10 @@ def meets_slo(rec: RequestRecord, slo: Slo) -> bool:
 
 def summarize(records: Sequence[RequestRecord], duration_s: float, *, slo: Slo, costs: Costs,
               instances: dict[str, int], kv_bytes_per_token: int,
-              wan_emulator_bytes: int | None = None, relay_finished_bytes: tuple[int, int] | None = None) -> Json:
-    """relay_finished_bytes: P's (bytes sent toward MD, KV MD lacked) for requests RLD finished alone."""
+              wan_emulator_bytes: int | None = None,
+              relay_finished_bytes: tuple[int, int, int] | None = None) -> Json:
+    """relay_finished_bytes: P's (bytes sent toward MD before RLD finished, KV MD lacked, bytes sent
+    after, in the background, for MD's DRC) for requests RLD finished alone."""
     ok = [r for r in records if r.ok]
     sent = [r for r in records if r.sent_s is not None]
     prompt_tokens = sum(r.prompt_tokens for r in ok)
@@ -92,6 +94,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, *, slo: Slo, 
             "finished_by_relay": sum(1 for r in ok if r.tokens_by_tier.get("relay") == r.completion_tokens > 0),
             "relay_finished_wan_bytes": None if relay_finished_bytes is None else relay_finished_bytes[0],
             "relay_finished_kv_bytes": None if relay_finished_bytes is None else relay_finished_bytes[1],
+            "backfill_wan_bytes": None if relay_finished_bytes is None else relay_finished_bytes[2],
             "relay_tokens": relay_tokens,
             "relay_token_share": relay_tokens / completion_tokens if completion_tokens else 0.0,
             "handoffs": len(stalls),

@@ -93,7 +93,9 @@ def _relay_only_wan(runs: dict[str, Json]) -> tuple[str, float | None]:
     sent, owed = pdd["pdd"]["relay_finished_wan_bytes"], pdd["pdd"]["relay_finished_kv_bytes"]
     if not owed:
         return "no RLD-only request with an MD", None
-    return f"{100 * sent / owed:.1f} % ({sent / 1e6:,.2f} of {owed / 1e6:,.2f} MB)", sent / owed
+    backfill = pdd["pdd"].get("backfill_wan_bytes") or 0
+    after = f"; then {backfill / 1e6:,.2f} MB backfilled in the background" if backfill else ""
+    return f"{100 * sent / owed:.1f} % ({sent / 1e6:,.2f} of {owed / 1e6:,.2f} MB){after}", sent / owed
 
 
 def _recompute(runs: dict[str, Json]) -> tuple[str, float | None]:

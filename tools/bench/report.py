@@ -105,7 +105,9 @@ def _relay_only_wan(d: Json) -> str:
     sent, owed = d.get("relay_finished_wan_bytes"), d.get("relay_finished_kv_bytes")
     if sent is None or owed is None:
         return "-"
-    return f"{_mb(sent)} MB / {_mb(owed)} MB ({_pct(sent / owed) if owed else '-'})"
+    backfill = d.get("backfill_wan_bytes")
+    after = f"; then {_mb(backfill)} MB backfilled" if backfill else ""
+    return f"{_mb(sent)} MB / {_mb(owed)} MB ({_pct(sent / owed) if owed else '-'}){after}"
 
 
 def _change(new: object, old: object) -> str:
@@ -146,7 +148,9 @@ def summary_markdown(results: list[Json], skipped: dict[str, str]) -> str:
                   ("KV MD got: the KV bytes MD reported receiving (summed over requests); emulator A→B: what "
                    "crossed the emulated WAN on MD's KV route, including transfers MD dropped because RLD "
                    "finished the request first (RLD-only requests) and frame headers. RLD-only WAN / KV: what P "
-                   "sent toward MD for the requests RLD finished alone, against the KV MD lacked of them."), ""]
+                   "sent toward MD for the requests RLD finished alone before it finished, against the KV MD "
+                   "lacked of them; then what P sent MD of them in the background afterwards, for MD's DRC "
+                   "(the backfill, gateway --backfill-link-share; the emulator's bytes include it)."), ""]
     parts += ["## Latency and throughput", "", latency_table(results), "",
               "## PDD", "", pdd_table(results), ""]
     if against := baseline_table(results):

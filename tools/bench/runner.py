@@ -86,9 +86,28 @@ async def _wan_kv_bytes(stack: LocalStack, settle_s: float = 0.5, limit_s: float
         await asyncio.sleep(settle_s)
 
 
-async def _relay_finished_bytes(stack: LocalStack, timeout_s: float = 10.0) -> tuple[int, int] | None:
+RELAY_FINISHED_STATS = ("relay_finished_wan_bytes", "relay_finished_kv_bytes", "backfill_wan_bytes")
+BACKFILL_WAIT_S = 120.0  # how long a workload's end waits for P's backfills of MD's DRC to end
+
+
+async def _relay_finished_bytes(stack: LocalStack, timeout_s: float = 10.0) -> tuple[int, int, int] | None:
     """P's counts, from a heartbeat sent after this call began: KV bytes sent toward MD for requests
-    RLD finished alone, and the KV MD lacked of them; None if P's heartbeat lacks them."""
+    RLD finished alone before it did, the KV MD lacked of them, and the bytes sent after, in the
+    background, for MD's DRC. Waits (up to BACKFILL_WAIT_S) until no backfill is under way, so the
+    WAN's byte count includes them; None if P's heartbeat lacks the counts."""
+    deadline = time.monotonic() + BACKFILL_WAIT_S
+    while True:
+        stats = await _prefill_stats(stack, timeout_s)
+        if stats is None or any(key not in stats for key in RELAY_FINISHED_STATS):
+            return None
+        ended = sum(stats.get(f"backfills_{outcome}", 0) for outcome in ("done", "failed", "aborted"))
+        if stats.get("backfills_started", 0) <= ended or time.monotonic() > deadline:
+            return tuple(int(stats[key]) for key in RELAY_FINISHED_STATS)  # type: ignore[return-value]
+        await asyncio.sleep(0.5)
+
+
+async def _prefill_stats(stack: LocalStack, timeout_s: float) -> dict[str, float] | None:
+    """P's heartbeat stats, from a heartbeat sent after this call began; None if none comes."""
     after = time.time() + 0.05
     nc = await bus.connect(stack.nats_url, "bench-prefill-stats", stack.nats_auth)
     beat: asyncio.Future[Heartbeat] = asyncio.get_running_loop().create_future()
@@ -106,9 +125,7 @@ async def _relay_finished_bytes(stack: LocalStack, timeout_s: float = 10.0) -> t
         return None
     finally:
         await nc.close()
-    if "relay_finished_wan_bytes" not in stats:
-        return None
-    return int(stats["relay_finished_wan_bytes"]), int(stats["relay_finished_kv_bytes"])
+    return stats
 
 
 def stack_facts(mode: Mode, cfg: BenchConfig, stack_cfg: StackConfig) -> Json:
@@ -154,16 +171,16 @@ async def _run_workload(stack: LocalStack, session: aiohttp.ClientSession, mode:
         if failed := [r.error for r in warm if not r.ok]:
             log.warning("%s %s: %d warm-up requests failed, first: %s", mode.name, workload.name,
                         len(failed), failed[0])
-        before = await _wan_kv_bytes(stack)
         relay_before = await _relay_finished_bytes(stack) if mode.relay else None
+        before = await _wan_kv_bytes(stack)
         records, duration_s = await replayer.run(workload.requests)
-        after = await _wan_kv_bytes(stack)
         relay_after = await _relay_finished_bytes(stack) if relay_before is not None else None
+        after = await _wan_kv_bytes(stack)
     finally:
         bar.close()
     wan_bytes = after - before if before is not None and after is not None else None
     relay_finished = (None if relay_before is None or relay_after is None
-                      else (relay_after[0] - relay_before[0], relay_after[1] - relay_before[1]))
+                      else tuple(a - b for a, b in zip(relay_after, relay_before)))
     summary = metrics.summarize(records, duration_s, slo=cfg.slo, costs=cfg.costs, instances=mode.instances,
                                 kv_bytes_per_token=bytes_per_token, wan_emulator_bytes=wan_bytes,
                                 relay_finished_bytes=relay_finished)

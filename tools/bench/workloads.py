@@ -64,11 +64,15 @@ def agentic_workload(opts: AgenticOptions, n: int, rate_per_s: float, seed: int)
     A session's turn appends the previous answer (output_tokens, kept by MD's DRC) and a tool
     output sized so the turn hits `high_hit` of its prompt; fresh requests hit nothing. With h the
     target, a fraction 1 - h/high_hit of requests is fresh (h >= high_hit: none, and every turn
-    hits h). Sessions open during warm-up, as sessions already running when measuring starts.
+    hits h). A share `tool_call_share` of the turns is answered by a short tool call
+    (`tool_call_tokens`) instead, as an agent's turns mostly are. Sessions open during warm-up, as
+    sessions already running when measuring starts.
     """
     h = opts.hit_rate
     if not 0 <= h < 1:
         raise ValueError(f"hit rate must be in [0, 1), got {h}")
+    if not 0 <= opts.tool_call_share <= 1 or opts.tool_call_tokens < 1:
+        raise ValueError("tool-call share must be in [0, 1] and a tool call at least one token")
     turn_hit = max(h, opts.high_hit)
     n_fresh = round(n * (1 - h / turn_hit))
     n_turns = n - n_fresh
@@ -76,6 +80,7 @@ def agentic_workload(opts: AgenticOptions, n: int, rate_per_s: float, seed: int)
     rng = random.Random(f"agentic:{seed}:{h}")
     arrivals = poisson_arrivals(n, rate_per_s, rng)
     fresh = set(rng.sample(range(n), n_fresh))
+    tool_calls = set(rng.sample(sorted(set(range(n)) - fresh), round(n_turns * opts.tool_call_share)))
     tag = f"agentic:{seed}:{h}"
 
     warmup = tuple(
@@ -94,13 +99,15 @@ def agentic_workload(opts: AgenticOptions, n: int, rate_per_s: float, seed: int)
         turn += 1
         seen = history[s]
         tool = max(1, round(seen * (1 - turn_hit) / turn_hit))
-        if seen + tool + opts.output_tokens > opts.max_context_tokens:
+        answer = opts.tool_call_tokens if i in tool_calls else opts.output_tokens
+        if seen + tool + answer > opts.max_context_tokens:
             raise ValueError(f"session {s} outgrows {opts.max_context_tokens} tokens; lower --prefix-tokens, "
                              "--turns-per-session or --output-tokens")
-        requests.append(PlannedRequest(i, arrival, token_ids(f"{tag}:tool:{i}", tool), opts.output_tokens,
+        requests.append(PlannedRequest(i, arrival, token_ids(f"{tag}:tool:{i}", tool), answer,
                                        session=s, planned_prompt_tokens=seen + tool, planned_hit_tokens=seen))
-        history[s] = seen + tool + opts.output_tokens
+        history[s] = seen + tool + answer
     params = {"hit_rate": h, "turn_hit_rate": turn_hit, "fresh_requests": n_fresh, "sessions": n_sessions,
+              "tool_calls": len(tool_calls), "tool_call_tokens": opts.tool_call_tokens,
               "prefix_tokens": opts.prefix_tokens, "output_tokens": opts.output_tokens,
               "turns_per_session": opts.turns_per_session, "request_rate": rate_per_s, "seed": seed}
     return Workload(f"agentic-h{h:.2f}", "agentic", tuple(requests), warmup, params)
