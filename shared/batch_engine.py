@@ -119,7 +119,9 @@ class BatchEngine:
         self.grammars = grammars
         self._cond = threading.Condition()
         self._incoming: list[_Work] = []  # guarded by _cond
-        self._commands: deque[Callable[[], None]] = deque()  # guarded by _cond
+        # guarded by _cond: what to run between steps, and the future it settles (failed if never run)
+        self._commands: deque[tuple[Callable[[], None], asyncio.Future | None]] = deque()
+        self.on_death: Callable[[BaseException], None] | None = None  # called on the engine thread if its loop dies
         self._stopping = False
         # engine-thread state
         self._work: list[_Work] = []
@@ -193,7 +195,7 @@ class BatchEngine:
         first = min(kv_tokens, sum(part.shape[3] for part in parts) + grow) if seq is not None and grow else kv_tokens
         future = asyncio.get_running_loop().create_future()
         admission = _Admission(key, parts, kv_tokens, first, seq, future)
-        self._command(lambda: self._waiting.append(admission))
+        self._command(lambda: self._waiting.append(admission), future)
         return await future
 
     def submit(self, key: str, feed_ids: list[int], sample: bool, return_kv: bool = False,
@@ -282,7 +284,7 @@ class BatchEngine:
                 result, exc = None, error
             _notify(future, result, exc)
 
-        self._command(call)
+        self._command(call, future)
         value, started_ns = await future
         return value, submitted_ns, started_ns
 
@@ -292,10 +294,10 @@ class BatchEngine:
             self._cond.notify()
         self._thread.join(timeout=30)
 
-    def _command(self, fn: Callable[[], None]) -> None:
+    def _command(self, fn: Callable[[], None], future: asyncio.Future | None = None) -> None:
         with self._cond:
             self._check_alive()
-            self._commands.append(fn)
+            self._commands.append((fn, future))
             self._cond.notify()
 
     def _check_alive(self) -> None:
@@ -307,15 +309,22 @@ class BatchEngine:
     def _loop(self) -> None:
         if self.config.torch_threads > 0:
             torch.set_num_threads(self.config.torch_threads)
+        batch: list[tuple[_Work, int]] = []
         try:
             while self._gather():
                 self._admit()
                 batch = self._make_room(self._schedule())
                 if batch:
                     self._run(batch)
-        except Exception:
+                batch = []
+        except Exception as exc:  # a bug: logged, everything waiting fails, and the service is told
             log.exception("engine loop died")
-            raise
+            if self.on_death is not None:
+                self.on_death(exc)
+            died = NotAdmitted(f"the engine stopped: {type(exc).__name__}: {exc}")
+            for work, _ in batch:  # the step that failed: its work may have left the queue already
+                _notify(work.future, exc=died)
+            self._fail_all(died)
         finally:
             self._fail_all(NotAdmitted("engine stopped"))
 
@@ -327,12 +336,12 @@ class BatchEngine:
         held_for: set[str] = set()
         while True:
             with self._cond:
+                if self._stopping:  # what is still queued fails in _fail_all
+                    return False
                 commands, self._commands = self._commands, deque()
                 self._work += self._incoming
                 self._incoming = []
-                if self._stopping:
-                    return False
-            for command in commands:
+            for command, _ in commands:
                 try:
                     command()
                 except Exception:  # a command settles its own future; one that fails must not stop the engine
@@ -599,7 +608,9 @@ class BatchEngine:
             self._stopping = True  # nothing new comes in
             self._work += self._incoming
             self._incoming = []
-        pending = [w.future for w in self._work] + [a.future for a in self._waiting]
+            commands, self._commands = self._commands, deque()
+        pending = ([w.future for w in self._work] + [a.future for a in self._waiting]
+                   + [future for _, future in commands if future is not None])
         self._work, self._waiting = [], deque()
         for future in pending:
             _notify(future, exc=exc)

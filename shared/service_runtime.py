@@ -2,7 +2,10 @@
 
 A service object has `async start()`, `async stop()` and a `heartbeat()` that describes it;
 `serve` sets up logging and tracing and runs it; `run_service` starts it, waits for SIGINT/SIGTERM (signals only set an Event; a second one
-forces exit), then stops it within a deadline.
+forces exit) or for the service to say it cannot go on (`ServiceFailure`: its engine thread died),
+then stops it within a deadline; a failed service exits with status 1, so whatever supervises it
+(`pdd up --on-child-exit`, compose's restart policy, systemd) sees it gone rather than a live
+process that answers pings and fails every request.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -29,6 +33,46 @@ SHUTDOWN_TIMEOUT_S = 10.0
 class Service(Protocol):
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
+
+
+class ServiceFailure:
+    """Set, from any thread, when a service cannot go on; run_service then stops it and exits 1."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self._event = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._early: str | None = None  # a failure before the loop was bound
+        self._lock = threading.Lock()
+
+    def bind(self) -> None:
+        """On the service's loop (run_service does it before start)."""
+        with self._lock:
+            self._loop = asyncio.get_running_loop()
+            early = self._early
+        if early is not None:
+            self._set(early)
+
+    def fail(self, reason: str) -> None:
+        """Thread-safe; the first reason wins."""
+        with self._lock:
+            if self._loop is None:
+                self._early = self._early or reason
+                return
+            loop = self._loop
+        try:
+            loop.call_soon_threadsafe(self._set, reason)
+        except RuntimeError:  # the loop closed: the service is gone anyway
+            pass
+
+    def _set(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+            self._event.set()
+
+    async def wait(self) -> str:
+        await self._event.wait()
+        return self.reason or ""
 
 
 def setup_logging(level: str, instance_id: str) -> None:
@@ -63,10 +107,11 @@ def serve(name: str, common: CommonConfig, make_service: Callable[[], Service]) 
     """A service's whole life as its __main__ runs it: logging and tracing set up, then run_service."""
     setup_logging(common.log_level, common.instance_id)
     tracing.setup_tracing(f"pdd-{name}", common.instance_id, common.otlp_endpoint)
-    asyncio.run(run_service(make_service(), name))
+    sys.exit(asyncio.run(run_service(make_service(), name)))
 
 
-async def run_service(service: Service, name: str) -> None:
+async def run_service(service: Service, name: str) -> int:
+    """Start the service, run it until a signal or its failure, stop it; the exit status (1: it failed)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -78,9 +123,20 @@ async def run_service(service: Service, name: str) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
+    failure: ServiceFailure | None = getattr(service, "failure", None)
+    if failure is not None:
+        failure.bind()
     await service.start()
     log.info("%s ready", name)
-    await stop.wait()
+    waits = {asyncio.ensure_future(stop.wait())}
+    if failure is not None:
+        waits.add(asyncio.ensure_future(failure.wait()))
+    _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    failed = failure.reason if failure is not None else None
+    if failed is not None:
+        log.critical("%s cannot go on: %s; stopping, exit status 1", name, failed)
     t0 = time.monotonic()
     try:
         async with asyncio.timeout(SHUTDOWN_TIMEOUT_S):
@@ -88,3 +144,4 @@ async def run_service(service: Service, name: str) -> None:
     except TimeoutError:
         log.warning("%s: shutdown took over %.0fs; exiting anyway", name, SHUTDOWN_TIMEOUT_S)
     log.info("%s stopped in %.2fs", name, time.monotonic() - t0)
+    return 1 if failed is not None else 0

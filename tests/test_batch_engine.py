@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from shared.batch_engine import BatchEngine, KVBudgetExceeded, KVPreempted
+from shared.batch_engine import BatchEngine, KVBudgetExceeded, KVPreempted, NotAdmitted
 from shared.config import EngineConfig
 from shared.model_runner import DecodeSequence, ModelRunner, PackedRow
 from shared.models import load_model
@@ -435,3 +435,52 @@ async def test_a_step_is_held_for_work_announced_within_reach(runner, prompts):
             decoding.cancel()
             await asyncio.gather(decoding, return_exceptions=True)
             engine.release("cut")
+
+
+async def test_an_engine_whose_loop_dies_fails_everything_it_held_and_says_so(runner, prompts, monkeypatch):
+    """A bug in the engine thread (here: growing a KV fails) must not leave a caller waiting for ever:
+    the work it held, admissions and commands fail at once, new work is refused, and on_death
+    tells the service, which then exits (shared/service_runtime.py)."""
+    died: list[BaseException] = []
+    with engine_with(runner, kv_grow_tokens=1) as engine:
+        engine.on_death = died.append
+        held = sequence(runner, "held", prompts[2], 8)
+        await engine.open("held", prompt_kv(runner, prompts[2]), held.kv_tokens_needed, held)
+        await engine.step(held, [prompts[2][-1]])  # fills the one position it was given
+
+        def broken(*args):
+            raise RuntimeError("injected: no memory to grow into")
+
+        monkeypatch.setattr(runner, "grown", broken)
+        with pytest.raises(NotAdmitted, match="injected"):
+            await asyncio.wait_for(engine.step(held, [held.output_ids[-1]]), 10)
+        assert len(died) == 1 and "injected" in str(died[0])
+        with pytest.raises(NotAdmitted):
+            await asyncio.wait_for(engine.run(lambda: None), 10)
+        waiting = sequence(runner, "late", prompts[1], 4)
+        with pytest.raises(NotAdmitted):
+            await asyncio.wait_for(engine.open("late", prompt_kv(runner, prompts[1]), waiting.kv_tokens_needed,
+                                               waiting), 10)
+        assert engine.kv_used_tokens == 0, "what it held is freed"
+
+
+async def test_commands_queued_when_the_engine_stops_fail_rather_than_hang(runner):
+    engine = BatchEngine(runner, EngineConfig(), name="test")
+    started, release = asyncio.Event(), asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def blocks() -> None:  # holds the engine thread while more commands queue behind it
+        loop.call_soon_threadsafe(started.set)
+        asyncio.run_coroutine_threadsafe(release.wait(), loop).result(10)
+
+    first = asyncio.ensure_future(engine.run(blocks))
+    await started.wait()
+    queued = asyncio.ensure_future(engine.run(lambda: "never"))
+    await asyncio.sleep(0.05)
+    stopping = asyncio.ensure_future(asyncio.to_thread(engine.shutdown))
+    await asyncio.sleep(0.05)
+    release.set()
+    await stopping
+    await first
+    with pytest.raises(NotAdmitted):
+        await asyncio.wait_for(queued, 10)

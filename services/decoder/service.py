@@ -37,7 +37,7 @@ from shared.metrics import decoder_metrics
 from shared.metrics import serve as serve_metrics
 from shared.model_runner import DecodeSequence, ModelRunner
 from shared.models import kv_layout, load_model, load_tokenizer, resolve_model
-from shared.service_runtime import heartbeat_loop, now
+from shared.service_runtime import ServiceFailure, heartbeat_loop, now
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,8 @@ class DecoderService:
         self.runner = ModelRunner(load_model(path, config.model.dtype, config.model.device),
                                   config.model.decode_attention)
         self.engine = BatchEngine(self.runner, config.engine, self.name, grammar_compiler(path, self.runner))
+        self.failure = ServiceFailure()  # run_service stops the decoder, exit status 1, if the engine thread dies
+        self.engine.on_death = lambda exc: self.failure.fail(f"the engine thread died: {exc!r}")
         self.receiver = KVReceiver(self.layout, DTYPE_NAMES[config.model.dtype], read_secret(config.kv_secret_file),
                                    limits=config.kv_limits)
         self.tracer = tracing.tracer(f"pdd.{self.name}")

@@ -30,7 +30,7 @@ from shared.models import kv_layout, load_model, resolve_model
 from shared.names import AbortReason, Role
 from shared.cache_worker import CacheWorker
 from shared.radix_cache import INDEX_BLOCK_TOKENS, CacheEvent, RadixCache
-from shared.service_runtime import heartbeat_loop, now
+from shared.service_runtime import ServiceFailure, heartbeat_loop, now
 from services.prefill.job import Phase, PrefillJob
 from services.prefill.prefiller import Prefiller, chunk_ranges
 
@@ -48,6 +48,8 @@ class PrefillService:
         self.runner = ModelRunner(load_model(path, config.model.dtype, config.model.device),
                                   config.model.decode_attention)
         self.engine = BatchEngine(self.runner, config.engine, ROLE)  # chunks of many prompts share forwards
+        self.failure = ServiceFailure()  # run_service stops P, exit status 1, if the engine thread dies
+        self.engine.on_death = lambda exc: self.failure.fail(f"the engine thread died: {exc!r}")
         self.prefiller = Prefiller(self.engine, config.chunk_tokens)
         wire = DTYPE_NAMES[config.kv_wire_dtype]
         self.sender = KVSender(self.layout, wire, config.kv_connect_timeout_s, config.kv_connections,
