@@ -316,6 +316,12 @@ def test_the_paper_scenario_presets_what_was_left_at_its_default(tmp_path):
     assert (cfg.wan.bandwidth_mbps, cfg.wan.rtt_ms, cfg.slo.ttft_ms, cfg.slo.tpot_ms) == (100, 30, 2000, 150)
     assert cfg.mooncake.max_output_tokens == 128 and cfg.load.request_rate == 0.2
     assert cfg.load.max_requests == 8, "a flag given wins over the preset"
+    given_as_default = config_from_args(parser.parse_args(["bench", "--scenario", "paper", "--workload", "agentic",
+                                                           "--modes", "pdd", "--out", str(tmp_path)]))
+    assert given_as_default.workloads == ("agentic",), "a flag given equal to its default wins as well"
+    assert given_as_default.modes == ("pdd",) and given_as_default.agentic.prefix_tokens == 1024
+    plain = config_from_args(parser.parse_args(["bench", "--out", str(tmp_path)]))
+    assert plain.workloads == ("agentic",) and plain.agentic.prefix_tokens == AgenticOptions().prefix_tokens
 
 
 def test_plots_need_only_results_json(bench, tmp_path):

@@ -10,6 +10,7 @@ import math
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from tools.bench import paper, report
@@ -137,17 +138,24 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     g.add_argument("--cost-prefill", type=float, default=1.0)
     g.add_argument("--cost-relay", type=float, default=1.0)
     g.add_argument("--cost-main", type=float, default=1.0)
-    p.set_defaults(func=cmd_bench, preset_defaults={a.dest: a.default for a in p._actions if a.dest in paper.PRESET})
+    # a flag a scenario presets keeps its default wrapped, so a value given equal to it still wins
+    p.set_defaults(func=cmd_bench, **{a.dest: NotGiven(a.default) for a in p._actions if a.dest in paper.PRESET})
     return p
 
 
+@dataclass(frozen=True)
+class NotGiven:
+    """The default of a flag a scenario presets, while the command line has not given it."""
+
+    default: object
+
+
 def _apply_scenario(args: argparse.Namespace) -> None:
-    """A scenario's values replace the flags left at their defaults."""
-    if args.scenario != "paper":
-        return
+    """A scenario's values replace the flags not given; the others keep their defaults."""
     for dest, value in paper.PRESET.items():
-        if getattr(args, dest) == args.preset_defaults[dest]:
-            setattr(args, dest, value)
+        given = getattr(args, dest)
+        if isinstance(given, NotGiven):
+            setattr(args, dest, value if args.scenario == "paper" else given.default)
 
 
 SERVICE_ROLES = ("prefill", "relay", "main", "gateway", "wan")

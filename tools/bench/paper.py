@@ -16,7 +16,7 @@ Json = dict[str, object]
 SESSIONS = "agentic-h0.90"
 TRACE = "mooncake"
 
-# argparse dest -> value: what `--scenario paper` sets wherever a flag was left at its default
+# argparse dest -> value: what `--scenario paper` sets wherever the command line did not give the flag
 PRESET: dict[str, object] = {
     "modes": ("pdd", "pd-local", "pd-wan", "pd-wan-drc"), "workloads": ("agentic", "mooncake"),
     "model": "smollm2", "hit_rate": 0.9, "prefix_tokens": 1024, "output_tokens": 128, "turns_per_session": 8,
