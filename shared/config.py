@@ -376,10 +376,10 @@ class GatewayConfig:
                                                 "earlier than MD's by more than this fraction of the TTFT SLO (a "
                                                 "handoff costs a recompute and a stall)")
     wan_mbps_guess: float = flag(100.0, "link rate assumed until P has measured one")
-    backfill_link_share: float = flag(0.5, "when RLD finishes a request before MD has its KV, P still sends MD that "
+    backfill_link_share: float = flag(0.0, "when RLD finishes a request before MD has its KV, P still sends MD that "
                                            "KV for its DRC (so the session's next turn hits MD), as background "
                                            "traffic: only while no other transfer to MD is open, at most this "
-                                           "share of MD's link rate (0: P drops it, as the paper does)")
+                                           "share of MD's link rate, e.g. 0.5 (0: P drops it, the paper's filter)")
     prefill_tokens_per_s_guess: float = flag(1000.0)
     decode_step_s_guess: float = flag(0.05, "one decode step on RLD or MD until the gaps between their tokens "
                                             "were measured")

@@ -141,23 +141,20 @@ async def test_cache_hits_on_p_and_md_are_counted(stack, session, metrics_urls):
     assert delta(before, after, "prefill", "pdd_prefill_computed_tokens_total") == 2 * (prompt_tokens - 1) - hits["prefill"]
 
 
-async def test_a_request_rld_finished_alone_is_counted_and_mds_kv_backfilled(stack, session, metrics_urls):
+async def test_an_abort_is_counted_where_it_stopped_work(stack, session, metrics_urls):
     # RLD makes both tokens while MD's KV is held back 3 s: the gateway's Abort ("finished on
-    # relay": MD made no token) finds P still owing MD the KV, which P counts, then sends it to MD
-    # in the background for its DRC (the backfill, on by default; without it P cuts the transfer:
-    # tests/test_relay_hold.py)
+    # relay": MD made no token) finds P still sending to MD, which P counts, with the transfer it cut
     before = await scrape(session, metrics_urls)
     result = await complete(session, stack, "[abort] " + PROMPT, 2, pipeline="p-rld-md", md_kv_delay_ms=3000)
-    after = await settled(session, metrics_urls)  # P and MD count the backfill as running until it is done
+    after = await settled(session, metrics_urls)
     assert result.tiers == ["relay", "relay"]
     assert delta(before, after, "gateway", "pdd_aborts_total", reason="finished") == 1
+    assert delta(before, after, "prefill", "pdd_aborts_total", reason="finished on relay") == 1
     assert delta(before, after, "gateway", "pdd_finished_on_relay_total") == 1
     assert delta(before, after, "prefill", "pdd_relay_finished_kv_bytes_total") > 0
-    assert delta(before, after, "prefill", "pdd_kv_backfills_total", outcome="done") == 1
-    assert delta(before, after, "prefill", "pdd_kv_backfill_bytes_total") > 0
-    assert delta(before, after, "prefill", "pdd_kv_transfers_total", target="main", outcome="done") == 1
+    assert delta(before, after, "prefill", "pdd_kv_transfers_total", target="main", outcome="aborted") == 1
+    # RLD needs every KV cell: the Abort may cut RLD's path after its last byte
     assert delta(before, after, "prefill", "pdd_kv_transfers_total", target="relay") == 1
-    assert delta(before, after, "main", "pdd_kv_received_bytes_total") > 0, "MD got the KV, for its DRC"
     assert delta(before, after, "gateway", "pdd_handoffs_total") == 0
 
 

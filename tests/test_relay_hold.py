@@ -1,7 +1,7 @@
 """Don't pay the WAN for what RLD will finish: on real processes with the tiny model, P holds MD's KV
 stream back while RLD is predicted to finish first, and sends it once RLD turns out slower. When RLD
-does finish first, MD's KV follows in the background (the backfill) for MD's DRC, or, with
-`--backfill-link-share 0`, never crosses at all.
+does finish first, MD's KV never crosses (the paper's filter, the default), or, with
+`--backfill-link-share`, follows in the background for MD's DRC (the backfill).
 
 The gateway believes MD's link carries 4 Mbit/s (--wan-mbps-guess; 240-token prompts stay below
 the size P measures a link from), so a fresh prompt's 245 KB take MD 0.5 s after RLD could start.
@@ -39,8 +39,8 @@ async def stack(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-async def stack_without_backfill(tmp_path_factory):
-    async with LocalStack(held_stack_config(tmp_path_factory.mktemp("logs"), "--backfill-link-share", "0")) as running:
+async def stack_with_backfill(tmp_path_factory):
+    async with LocalStack(held_stack_config(tmp_path_factory.mktemp("logs"), "--backfill-link-share", "0.5")) as running:
         yield running
 
 
@@ -81,7 +81,9 @@ async def backfills_ended(stack: LocalStack, before: dict[str, float], timeout_s
         await asyncio.sleep(0.2)
 
 
-async def test_a_short_answer_sends_nothing_over_the_wan_then_backfills_mds_cache(stack, session, tiny_generate):
+async def test_a_short_answer_sends_nothing_over_the_wan_then_backfills_mds_cache(stack_with_backfill, session,
+                                                                                  tiny_generate):
+    stack = stack_with_backfill
     before = await prefill_stats(stack)
     prompt = random_prompt(2, PROMPT_TOKENS)
     result = await complete(session, stack, prompt, 4)
@@ -94,6 +96,9 @@ async def test_a_short_answer_sends_nothing_over_the_wan_then_backfills_mds_cach
     assert after["backfills_done"] == before["backfills_done"] + 1
     assert after["backfill_wan_bytes"] - before["backfill_wan_bytes"] >= (PROMPT_TOKENS - 1) * KV_BYTES_PER_TOKEN
     assert await gateway_counter(session, stack, "pdd_finished_on_relay_total") >= 1
+    for beat in (await fresh_heartbeats(stack.nats_url)).values():  # the backfill freed both sides
+        assert beat.running == 0 and beat.stats.get("open_inboxes", 0) == 0, beat
+        assert beat.stats.get("open_transfers", 0) == 0 and beat.stats.get("locked_nodes", 0) == 0, beat
 
     # the session's next turn: MD's DRC holds the whole first prompt, only the new turn crosses
     turn = prompt + random_prompt(12, 16)
@@ -106,19 +111,20 @@ async def test_a_short_answer_sends_nothing_over_the_wan_then_backfills_mds_cach
     assert result.token_ids == tiny_generate(turn, 4)
 
 
-async def test_without_backfill_a_short_answer_never_sends_mds_kv(stack_without_backfill, session, tiny_generate):
-    stack = stack_without_backfill
+async def test_a_short_answer_sends_nothing_over_the_wan(stack, session, tiny_generate):
     before = await prefill_stats(stack)
     prompt = random_prompt(22, PROMPT_TOKENS)
     result = await complete(session, stack, prompt, 4)
     assert result.summary["pipeline"] == "p-rld-md" and set(result.tiers) == {"relay"}
     assert result.token_ids == tiny_generate(prompt, 4)
     after = await prefill_stats(stack)
+    assert after["relay_finished_kv_bytes"] - before["relay_finished_kv_bytes"] == (PROMPT_TOKENS - 1) * KV_BYTES_PER_TOKEN
     assert after["relay_finished_wan_bytes"] == before["relay_finished_wan_bytes"], "MD's stream never left P"
     assert after["kv_bytes_saved_by_abort"] > before["kv_bytes_saved_by_abort"]
     assert after["backfill_wan_bytes"] == before["backfill_wan_bytes"] == 0
+    assert await gateway_counter(session, stack, "pdd_finished_on_relay_total") >= 1
     result = await complete(session, stack, prompt + random_prompt(23, 16), 4)
-    assert result.summary["cached_tokens"]["main"] == 0, "MD never got the first turn"
+    assert result.summary["cached_tokens"]["main"] == 0, "MD never got the first turn: the next one misses"
 
 
 async def test_a_request_that_names_its_handoff_is_never_held(stack, session, tiny_generate):

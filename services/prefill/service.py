@@ -398,6 +398,9 @@ class PrefillService:
         self.metrics.kv_transfers.labels(role, outcome).inc()
         span.set_attributes({"pdd.kv_bytes": transfer.kv_bytes, "pdd.send_s": send_s, "pdd.outcome": outcome,
                              "pdd.throughput_bytes_per_s": transfer.kv_bytes / send_s if send_s > 0 else 0.0})
+        if transfer.background_bytes_per_s:  # RLD finished first: the rest went in the background, for MD's DRC
+            span.set_attributes({"pdd.backfill_bytes_per_s": transfer.background_bytes_per_s,
+                                 "pdd.backfill_bytes": transfer.background_bytes})
         if outcome == "failed":
             span.set_status(trace.Status(trace.StatusCode.ERROR, error or "KV transfer failed"))
         elif outcome == "aborted":

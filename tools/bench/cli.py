@@ -87,7 +87,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                                                      "--cpus relay,main=1 (as pdd up); default: unpinned")
     g.add_argument("--service-flags", dest="service_flags", type=_service_flags, action="append", default=[],
                    metavar="ROLE=FLAGS", help="more flags for one service in every mode, e.g. gateway='--backfill-"
-                                              "link-share 0'; repeatable; ROLE one of " + ", ".join(SERVICE_ROLES))
+                                              "link-share 0.5'; repeatable; ROLE one of " + ", ".join(SERVICE_ROLES))
 
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=float, default=ld.request_rate,
