@@ -205,13 +205,15 @@ class RadixCache:
         self._count_query(len(ids), pos + common)
         return pos + common
 
-    def lock(self, token_ids: Sequence[int]) -> PrefixHandle:
+    def lock(self, token_ids: Sequence[int], *, query: bool = True) -> PrefixHandle:
         """Match and pin the longest cached prefix until the handle is released.
 
         A match ending inside an edge splits that node, so the handle's path ends at a node.
 
         Args:
             token_ids: a request's tokens.
+            query: count the match in the hit statistics (a request's lookup); False for a lock
+                taken only to insert the rest of the sequence after it.
         Returns:
             A handle with `length` = matched tokens (0 is a valid, empty handle).
         """
@@ -222,7 +224,8 @@ class RadixCache:
             pos += common
         self._add_ref(node, +1)
         self._touch(node)
-        self._count_query(len(ids), pos)
+        if query:
+            self._count_query(len(ids), pos)
         return PrefixHandle(self, node, pos)
 
     def gather(self, handle: PrefixHandle, length: int | None = None) -> torch.Tensor:
@@ -252,7 +255,7 @@ class RadixCache:
         shape, dtype = self._layout
         return torch.empty(*shape[:TOKEN_DIM], 0, *shape[TOKEN_DIM:], dtype=dtype)
 
-    def insert(self, token_ids: Sequence[int], kv: torch.Tensor) -> int:
+    def insert(self, token_ids: Sequence[int], kv: torch.Tensor, kv_start: int = 0) -> int:
         """Cache a sequence's KV, storing only the suffix not cached yet.
 
         Evicts LRU unpinned leaves to make room (never the path being extended). If it still
@@ -260,20 +263,31 @@ class RadixCache:
 
         Args:
             token_ids: the whole sequence, from token 0.
-            kv: [layers, 2, kv_heads, len(token_ids), head_dim]; copied, never aliased.
+            kv: the KV of token_ids[kv_start:], [layers, 2, kv_heads, len(token_ids) - kv_start,
+                head_dim]; copied, never aliased.
+            kv_start: where kv begins. A caller holding the first kv_start tokens locked (so cached)
+                need not copy their KV out to insert what follows.
         Returns:
             Tokens newly stored.
+        Raises:
+            ValueError: a KV of the wrong shape, or kv_start beyond what the cache holds of the
+                sequence (the KV would not join the tree).
         """
         ids = _as_ids(token_ids)
-        self._check_kv(kv, len(ids))
+        if not 0 <= kv_start <= len(ids):
+            raise ValueError(f"kv_start {kv_start} outside [0, {len(ids)}]")
+        self._check_kv(kv, len(ids) - kv_start)
         node, pos, child, common = self._walk(ids)
         guard = child if common else node
         self._touch(guard)
         matched = pos + common
+        if matched < kv_start:
+            raise ValueError(f"the KV starts at token {kv_start} but only {matched} tokens of the "
+                             "sequence are cached")
         wanted = len(ids) - matched
         if wanted == 0:
             return 0
-        bytes_per_token = kv.nbytes // len(ids)
+        bytes_per_token = kv.nbytes // (len(ids) - kv_start)
         self._add_ref(guard, +1)  # eviction below must not take the path we are extending
         try:
             self.evict(tokens=self._tokens + wanted - self.capacity_tokens,
@@ -288,7 +302,7 @@ class RadixCache:
             node = self._split(child, common, ids)
         end = matched + fits
         # A contiguous clone: a view would pin the caller's whole buffer and break the byte bound.
-        leaf_kv = kv[:, :, :, matched:end].clone(memory_format=torch.contiguous_format)
+        leaf_kv = kv[:, :, :, matched - kv_start:end - kv_start].clone(memory_format=torch.contiguous_format)
         leaf = _Node(ids[matched:end], leaf_kv, node, matched, hash_prefix(ids[:end]), next(self._ids))
         if self.event_block_tokens:
             block = self.event_block_tokens

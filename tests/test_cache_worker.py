@@ -23,6 +23,14 @@ def kv_for(ids: list[int]) -> torch.Tensor:
     return kv
 
 
+def exporting(kv: torch.Tensor, starts: list[int]):
+    """An engine's export of a finished request's KV from `start`, recording each start asked for."""
+    async def export(start: int) -> torch.Tensor:
+        starts.append(start)
+        return kv[:, :, :, start:].clone()
+    return export
+
+
 async def test_calls_run_on_the_worker_thread_in_order_and_posts_too() -> None:
     worker = CacheWorker(RadixCache(1 << 20, 1 << 30), "test-cache")
     seen: list[tuple[str, str]] = []
@@ -71,7 +79,7 @@ async def test_the_loop_runs_while_the_drc_inserts_and_gathers() -> None:
     try:
         await asyncio.sleep(0)
         before = ticks
-        events = await drc.keep(ids, kv)
+        events = await drc.keep("req-0", ids, exporting(kv, []))
         assert ticks > before  # the loop ran while the clone was made
         assert events and events[0]["kind"] == "stored"
         assert await drc.lock("req-1", ids + [7]) == len(ids)
@@ -83,4 +91,49 @@ async def test_the_loop_runs_while_the_drc_inserts_and_gathers() -> None:
     finally:
         stop.set()
         await ticker
+        drc.close()
+
+
+async def test_the_drc_copies_out_only_what_it_lacks_of_a_finished_request() -> None:
+    drc = DecodeCache(CacheConfig(tokens=1 << 20, kv_bytes=1 << 30))
+    first = list(range(100, 140))
+    second = first + list(range(300, 312))  # the next turn: the first turn's context, then its own
+    starts: list[int] = []
+    try:
+        await drc.keep("turn-1", first, exporting(kv_for(first), starts))
+        await drc.keep("turn-2", second, exporting(kv_for(second), starts))
+        await drc.keep("turn-2-again", second, exporting(kv_for(second), starts))
+        assert starts == [0, len(first), len(second)]  # the cached prefix is never copied out again
+        assert drc.cache.tokens == len(second)
+        assert await drc.lock("turn-3", second + [7]) == len(second)
+        parts = await drc.assemble("turn-3", kv_for([7]))
+        assert torch.equal(parts[0], kv_for(second))  # the two inserts joined into the whole KV
+        assert drc.gauges()["locked_nodes"] == 0
+        # keeping counts no lookups: turn-3's lock is the one query, and it hit all it asked
+        assert (drc.cache.query_tokens, drc.cache.hit_tokens) == (len(second), len(second))
+    finally:
+        drc.close()
+
+
+async def test_a_keep_cancelled_during_its_export_leaves_nothing_locked() -> None:
+    drc = DecodeCache(CacheConfig(tokens=1 << 20, kv_bytes=1 << 30))
+    ids = list(range(50))
+    exporting_now, never = asyncio.Event(), asyncio.Event()
+
+    async def stuck_export(start: int) -> torch.Tensor:
+        exporting_now.set()
+        await never.wait()
+        raise AssertionError("never released")
+
+    try:
+        await drc.keep("turn-1", ids[:20], exporting(kv_for(ids[:20]), []))
+        keep = asyncio.create_task(drc.keep("turn-2", ids, stuck_export))
+        await exporting_now.wait()
+        keep.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await keep
+        await drc.assemble("probe", kv_for([1]))  # a call on the worker, after the queued unpin
+        assert drc.cache.locked_nodes == 0
+        assert drc.cache.tokens == 20
+    finally:
         drc.close()

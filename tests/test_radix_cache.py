@@ -124,6 +124,33 @@ def test_inserting_a_cached_prefix_stores_nothing() -> None:
     cache.check_invariants()
 
 
+def test_insert_takes_kv_for_the_part_after_a_cached_prefix() -> None:
+    cache = RadixCache(BIG, BIG)
+    first, second = list(range(10)), list(range(10)) + [50, 51, 52, 53]
+    cache.insert(first, kv_for(first))
+    assert cache.insert(second, kv_for(second)[:, :, :, 6:], kv_start=6) == 4  # only what was missing
+    length, kv = gathered(cache, second)
+    assert length == len(second) and kv.equal(kv_for(second))
+    assert cache.insert(second + [9], kv_for(second + [9])[:, :, :, 14:], kv_start=14) == 1
+    assert gathered(cache, second + [9])[1].equal(kv_for(second + [9]))
+    with cache.lock(first, query=False) as handle:  # a lock to insert behind counts no query
+        assert handle.length == len(first)
+    assert cache.query_tokens == 2 * len(second) + 1
+
+
+def test_insert_refuses_kv_that_would_not_join_the_cached_prefix() -> None:
+    cache = RadixCache(BIG, BIG)
+    cache.insert([1, 2, 3], kv_for([1, 2, 3]))
+    ids = [1, 2, 3, 4, 5, 6]
+    with pytest.raises(ValueError, match="only 3 tokens"):
+        cache.insert(ids, kv_for(ids)[:, :, :, 4:], kv_start=4)  # token 3's KV is neither cached nor given
+    with pytest.raises(ValueError, match="outside"):
+        cache.insert(ids, kv_for([]), kv_start=7)
+    with pytest.raises(ValueError, match="is not"):
+        cache.insert(ids, kv_for(ids), kv_start=3)  # six tokens of KV for three
+    assert cache.tokens == 3
+
+
 def test_stats_count_queries_and_hits() -> None:
     cache = RadixCache(BIG, BIG)
     cache.insert([1, 2, 3], kv_for([1, 2, 3]))

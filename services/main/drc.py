@@ -6,7 +6,7 @@ events the gateway's cache index follows: `keep` returns them and the caller pub
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 
@@ -24,6 +24,7 @@ class DecodeCache:
                                 event_block_tokens=INDEX_BLOCK_TOKENS)
         self._worker = CacheWorker(self.cache, "drc")
         self._locks: dict[str, PrefixHandle] = {}  # touched on the worker only
+        self._pins: dict[str, PrefixHandle] = {}  # prefixes held while a finished request's rest is kept
 
     async def lock(self, request_id: str, prompt_ids: Sequence[int]) -> int:
         """Lock the longest cached prefix of the prompt's KV positions; its length in tokens."""
@@ -37,9 +38,20 @@ class DecodeCache:
         """Release the request's prefix, if still locked (in order after anything asked before)."""
         self._worker.post(self._unlock, request_id)
 
-    async def keep(self, token_ids: Sequence[int], kv: torch.Tensor) -> list[dict]:
-        """Insert a finished request's KV; the cache's changes since the last keep, as CacheEvents wants them."""
-        return await self._worker.call(self._keep, token_ids, kv)
+    async def keep(self, request_id: str, token_ids: Sequence[int],
+                   export: Callable[[int], Awaitable[torch.Tensor]]) -> list[dict]:
+        """Insert a finished request's KV; the cache's changes since the last keep, as CacheEvents wants them.
+
+        The cached prefix of the tokens is locked first, so `export(start)` copies out only the KV of
+        token_ids[start:], the part the cache lacks (on a session's turn, the new suffix and the
+        answer, not the whole context again).
+        """
+        try:
+            start = await self._worker.call(self._pin, request_id, token_ids)
+            kv = await export(start)
+            return await self._worker.call(self._keep, token_ids, kv, start)
+        finally:  # queued behind the pin on the one worker thread, so it runs even if we were cancelled
+            self._worker.post(self._unpin, request_id)
 
     def gauges(self) -> dict[str, float]:
         return self._worker.gauges()
@@ -66,8 +78,18 @@ class DecodeCache:
         if handle is not None:
             handle.release()
 
-    def _keep(self, token_ids: Sequence[int], kv: torch.Tensor) -> list[dict]:
-        self.cache.insert(token_ids, kv)
+    def _pin(self, request_id: str, token_ids: Sequence[int]) -> int:
+        handle = self.cache.lock(token_ids, query=False)
+        self._pins[request_id] = handle
+        return handle.length
+
+    def _unpin(self, request_id: str) -> None:
+        handle = self._pins.pop(request_id, None)
+        if handle is not None:
+            handle.release()
+
+    def _keep(self, token_ids: Sequence[int], kv: torch.Tensor, kv_start: int) -> list[dict]:
+        self.cache.insert(token_ids, kv, kv_start)
         events = [event.to_dict() for event in self._events]
         self._events.clear()
         return events

@@ -169,8 +169,8 @@ class MainRole:
             return
         seq = request.seq
         cached = seq.kv.length
-        kv = await io.export(request, 0, cached)
-        events = await self.drc.keep((seq.prompt_ids + seq.output_ids)[:cached], kv)
+        events = await self.drc.keep(request.request_id, (seq.prompt_ids + seq.output_ids)[:cached],
+                                     lambda start: io.export(request, start, cached))
         if not events:
             return
         try:

@@ -150,7 +150,6 @@ class PrefillService:
             chunks: list[torch.Tensor] = []
             if hit:
                 chunks.append(await self.cache.call(self.cache.tree.gather, job.prefix))
-                self.cache.post(job.prefix.release)
             await self.prefiller.open(req.request_id, len(kv_ids), chunks[0] if chunks else None)
             for chunk in chunk_ranges(len(kv_ids), self.config.chunk_tokens, start=hit):
                 kv, _, _ = await self.prefiller.compute_chunk(req.request_id, kv_ids, chunk)
@@ -158,7 +157,7 @@ class PrefillService:
             job.move(Phase.SENDING)
             self.prefiller.release(req.request_id)
             if len(chunks) > (1 if hit else 0):
-                await self._keep(kv_ids, await self.engine.run(_concat_tokens, chunks))
+                await self._keep(kv_ids, await self.engine.run(_concat_tokens, chunks[1 if hit else 0:]), hit)
                 self.metrics.warmed_tokens.inc(len(kv_ids) - hit)
             job.move(Phase.DONE)
         except asyncio.CancelledError:
@@ -278,8 +277,8 @@ class PrefillService:
                 job.move(Phase.COMPUTING)
                 chunks: list[torch.Tensor] = []
                 if hit:
+                    # the prefix stays locked until the computed rest is kept after it (finally releases it)
                     chunks.append(await self.cache.call(self.cache.tree.gather, job.prefix))
-                    self.cache.post(job.prefix.release)  # the gathered copy is ours; the tree may evict now
                     await self.prefiller.open(req.request_id, len(kv_ids), chunks[0])
                     await job.queue_kv((0, hit), chunks[0])
                 else:
@@ -306,8 +305,8 @@ class PrefillService:
                 self.metrics.computed_tokens.inc(len(kv_ids) - hit)
                 self.prefiller.release(req.request_id)
                 if self.cache is not None and len(chunks) > (1 if hit else 0):
-                    full_kv = await self.engine.run(_concat_tokens, chunks)
-                    await self._keep(kv_ids, full_kv)
+                    computed_kv = await self.engine.run(_concat_tokens, chunks[1 if hit else 0:])
+                    await self._keep(kv_ids, computed_kv, hit)
                 results = await asyncio.gather(*(self._finish_transfer(job, t) for t in job.transfers))
                 for result in results:
                     span.add_event("kv_transfer", {"pdd.role": result.target.role, "pdd.kv_bytes": result.kv_bytes,
@@ -350,10 +349,11 @@ class PrefillService:
             self.jobs.pop(req.request_id, None)
             await asyncio.gather(*(transfer.wait_closed() for transfer in job.transfers))  # pumps end with the job
 
-    async def _keep(self, token_ids: list[int], kv: torch.Tensor) -> None:
-        """Into P's prefix cache; the cache's changes go to the gateway's index, which predicts P's
-        compute from P's own hit."""
-        events = await self.cache.call(self._insert, token_ids, kv)
+    async def _keep(self, token_ids: list[int], kv: torch.Tensor, kv_start: int) -> None:
+        """Into P's prefix cache: `kv` is the KV of token_ids[kv_start:], after a prefix the caller
+        holds locked. The cache's changes go to the gateway's index, which predicts P's compute from
+        P's own hit."""
+        events = await self.cache.call(self._insert, token_ids, kv, kv_start)
         if not events:
             return
         try:
@@ -361,9 +361,9 @@ class PrefillService:
         except (PddError, NatsError) as exc:  # too big, or NATS closing: the index catches up from the next batch
             log.warning("cache events not published: %s", exc)
 
-    def _insert(self, token_ids: list[int], kv: torch.Tensor) -> list[dict]:
+    def _insert(self, token_ids: list[int], kv: torch.Tensor, kv_start: int) -> list[dict]:
         """On the cache's worker: insert, then the events it caused, drained."""
-        self.cache.tree.insert(token_ids, kv)
+        self.cache.tree.insert(token_ids, kv, kv_start)
         events = [event.to_dict() for event in self._cache_events]
         self._cache_events.clear()
         return events
