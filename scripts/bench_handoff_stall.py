@@ -46,7 +46,7 @@ async def measure(args: argparse.Namespace) -> list[dict]:
                     gaps = result.gaps_s
                     cut = result.tiers.index("main")
                     row = {"eager_tokens": eager, "mode": mode, "repeat": repeat,
-                           "chunks": result.handoff["chunks"], "fell_back": result.handoff["mode"] != mode,
+                           "chunks": result.handoff["chunks"], "handed_off_as": result.handoff["mode"],
                            "median_gap_s": statistics.median(gaps), "stall_s": stall_around_cut(gaps, cut),
                            "extend_s": result.handoff["extend_s"], "ttft_s": result.ttft_s}
                     row["stall_over_median"] = row["stall_s"] / row["median_gap_s"]
@@ -59,7 +59,8 @@ def table(rows: list[dict]) -> str:
     lines = ["| eager tokens | mode | chunks | median gap (ms) | largest gap at cut (ms) | ratio | final extend (ms) |",
              "|---:|---|---:|---:|---:|---:|---:|"]
     for row in rows:
-        lines.append(f"| {row['eager_tokens']} | {row['mode']}{' (fell back)' if row['fell_back'] else ''} | "
+        as_ = "" if row["handed_off_as"] == row["mode"] else f" (as {row['handed_off_as']})"
+        lines.append(f"| {row['eager_tokens']} | {row['mode']}{as_} | "
                      f"{row['chunks']} | {row['median_gap_s'] * 1000:.1f} | {row['stall_s'] * 1000:.1f} | "
                      f"{row['stall_over_median']:.2f} | {row['extend_s'] * 1000:.1f} |")
     return "\n".join(lines)

@@ -217,7 +217,7 @@ class HandoffConfig:
 
     mode: str = flag(AUTO, f"{AUTO}: Catch-Up while RLD runs at most --catch-up-max-running requests, else One-Shot",
                      name="handoff-mode", choices=choices(HandoffMode, AUTO))
-    catch_up_threshold: int = flag(4, "Catch-Up cuts over once fewer eager tokens than this remain unsent")
+    catch_up_threshold: int = flag(4, "Catch-Up cuts at once (as One-Shot) when MD's KV is in before RLD made this many eager tokens")
     catch_up_max_running: int = flag(4)
 
 

@@ -49,8 +49,8 @@ async def test_handoff_is_token_exact_in_both_modes(stack, session, tiny_generat
     assert result.handoff["eager_tokens"] == cut
     if mode == "one-shot":
         assert result.handoff["chunks"] == 1 and result.handoff["mode"] == "one-shot"
-    else:  # Catch-Up may fall back to One-Shot when MD does not converge; either way it says which
-        assert result.handoff["mode"] in ("catch-up", "one-shot")
+    else:  # MD's KV came tens of steps late: a first chunk, streamed tokens, then the cut
+        assert result.handoff["mode"] == "catch-up" and result.handoff["chunks"] >= 2
 
 
 async def test_catch_up_hands_off_in_chunks_and_cuts_exactly_where_told(stack, session, tiny_generate):

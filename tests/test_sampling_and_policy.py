@@ -70,27 +70,40 @@ def test_one_shot_cuts_at_mains_first_report() -> None:
     assert (decision.step, decision.start, decision.end) == (Step.CUT, 0, 7)
 
 
-def test_catch_up_sends_chunks_until_the_rest_is_below_the_threshold() -> None:
+def test_catch_up_sends_a_first_chunk_then_streams_each_token_until_main_holds_it() -> None:
     plan = HandoffPlan(HandoffMode.CATCH_UP, threshold=10, handoff_at=None)
-    plan.on_main_progress()
+    assert plan.next(40).step is Step.DECODE, "MD's KV is not in yet"
+    plan.on_main_progress(0)
     first = plan.next(100)
     assert (first.step, first.start, first.end) == (Step.SEND_CHUNK, 0, 100)
-    assert plan.next(105).step is Step.DECODE, "MD has not caught up yet"
-    plan.on_main_progress()
-    second = plan.next(130)
-    assert (second.step, second.start, second.end) == (Step.SEND_CHUNK, 100, 130)
-    plan.on_main_progress()
-    cut = plan.next(136)
-    assert (cut.step, cut.start, cut.end) == (Step.CUT, 130, 136) and not plan.fell_back
+    assert plan.next(100).step is Step.DECODE, "nothing new to send: decode on"
+    streamed = plan.next(101)
+    assert (streamed.step, streamed.start, streamed.end) == (Step.SEND_CHUNK, 100, 101)
+    plan.on_main_progress(99)  # a report from before the first chunk was all in: stream on
+    assert plan.next(102).step is Step.SEND_CHUNK
+    plan.on_main_progress(100)
+    cut = plan.next(103)
+    assert (cut.step, cut.start, cut.end) == (Step.CUT, 102, 103), "MD is a step behind: only the last token is left"
+    assert plan.rounds == 4
 
 
-def test_catch_up_falls_back_to_one_shot_when_main_falls_behind() -> None:
+def test_catch_up_with_too_few_tokens_to_stream_cuts_at_once() -> None:
     plan = HandoffPlan(HandoffMode.CATCH_UP, threshold=10, handoff_at=None)
-    plan.on_main_progress()
-    assert plan.next(50).step is Step.SEND_CHUNK
-    plan.on_main_progress()
-    assert plan.next(110).step is Step.CUT, "60 left after sending 50: not converging"
-    assert plan.fell_back
+    plan.on_main_progress(0)
+    cut = plan.next(9)
+    assert (cut.step, cut.start, cut.end) == (Step.CUT, 0, 9) and not plan.streaming
+
+
+def test_a_stale_report_does_not_cut_while_main_still_recomputes_the_first_chunk() -> None:
+    plan = HandoffPlan(HandoffMode.CATCH_UP, threshold=10, handoff_at=None)
+    plan.on_main_progress(0)
+    plan.next(50)
+    for eager in range(51, 60):  # MD is slow: RLD streams on, one token a step
+        plan.on_main_progress(0)
+        decision = plan.next(eager)
+        assert (decision.step, decision.start, decision.end) == (Step.SEND_CHUNK, eager - 1, eager)
+    plan.on_main_progress(57)  # MD adopted the first chunk and some streamed tokens together
+    assert plan.next(60).step is Step.CUT
 
 
 def test_the_cut_can_be_pinned() -> None:
@@ -106,21 +119,22 @@ def test_the_cut_can_be_pinned() -> None:
 
 
 def test_the_cut_is_known_while_rld_still_makes_its_last_token() -> None:
-    """RLD announces the cut to MD from would_cut while the step that ends it runs; it must agree
-    with what next() then decides, and change nothing."""
+    """RLD announces the cut to MD from would_cut while the step that ends it runs, from the report
+    that just came in; it must agree with what next() then decides, and change nothing."""
     plan = HandoffPlan(HandoffMode.CATCH_UP, threshold=10, handoff_at=None)
     assert plan.would_cut(5), "before any chunk, fewer than the threshold left: the first report cuts"
-    plan.on_main_progress()
+    plan.on_main_progress(0)
     assert plan.next(100).step is Step.SEND_CHUNK
-    assert not plan.would_cut(130) and plan.would_cut(105)
-    plan.on_main_progress()
-    assert plan.next(105).step is Step.CUT and not plan.fell_back
-    slow = HandoffPlan(HandoffMode.CATCH_UP, threshold=10, handoff_at=None)
-    slow.on_main_progress()
-    slow.next(50)
-    assert slow.would_cut(110) and not slow.fell_back, "not converging: a cut, but would_cut only looks"
+    assert not plan.would_cut(101), "MD has not reported the first chunk"
+    assert not plan.would_cut(101, adopted_tokens=60)
+    assert plan.would_cut(101, adopted_tokens=100), "this report means the step in flight ends it"
+    assert plan.next(101).step is Step.SEND_CHUNK, "would_cut only looked"
+    plan.on_main_progress(100)
+    assert plan.next(102).step is Step.CUT
     pinned = HandoffPlan(HandoffMode.ONE_SHOT, threshold=64, handoff_at=10)
     assert not pinned.would_cut(9) and pinned.would_cut(10)
+    one_shot = HandoffPlan(HandoffMode.ONE_SHOT, threshold=64, handoff_at=None)
+    assert one_shot.would_cut(300)
     lost = HandoffPlan(HandoffMode.ONE_SHOT, threshold=64, handoff_at=None)
     lost.on_main_lost()
     assert not lost.would_cut(3)

@@ -127,8 +127,10 @@ class MainRole:
     async def _take_over(self, request: DecodeRequest, io: DecoderIO) -> tuple[list[int], HandoffStats] | None:
         """Adopt RLD's eager tokens chunk by chunk until the cut.
 
-        Returns the tokens still to feed (the cut's chunk, after the last token whose KV MD holds)
-        and the handoff's stats; None if RLD finished the request itself.
+        Chunks that arrived while MD recomputed the last ones are adopted together, one pass for
+        all of them (in Catch-Up RLD streams a token per step), so MD never falls behind by queueing.
+        Returns the tokens still to feed (the cut's, after the last token whose KV MD holds) and the
+        handoff's stats; None if RLD finished the request itself.
         """
         seq = request.seq
         kv_wait_s = time.monotonic() - request.assigned_at
@@ -138,20 +140,27 @@ class MainRole:
             await self._report_progress(request, io, 0)
             while True:
                 handoff = await request.next_peer_message(f"RLD never handed off {request.request_id}")
-                adoption = takeover.adopt(handoff)
-                if adoption.move is Move.RELAY_FINISHED:
-                    span.set_attribute("pdd.relay_finished", True)
-                    return None
-                seq.output_ids.extend(adoption.new_ids)
+                first, feed = takeover.adopted, []
+                while True:
+                    adoption = takeover.adopt(handoff)
+                    if adoption.move is Move.RELAY_FINISHED:
+                        span.set_attribute("pdd.relay_finished", True)
+                        return None
+                    seq.output_ids.extend(adoption.new_ids)
+                    feed += adoption.feed_ids
+                    if adoption.move is Move.CUT or request.peer_messages.empty():
+                        break
+                    handoff = request.peer_messages.get_nowait()
                 if adoption.move is Move.CUT:
                     break
                 with io.tracer.start_as_current_span("main.catch_up_chunk") as chunk_span:
-                    chunk_span.set_attributes({"pdd.start": handoff.start, "pdd.tokens": len(handoff.eager_ids)})
-                    await io.extend(request, adoption.feed_ids)
+                    chunk_span.set_attributes({"pdd.start": first, "pdd.tokens": takeover.adopted - first})
+                    if feed:
+                        await io.extend(request, feed)
                 await self._report_progress(request, io, takeover.adopted)
             span.set_attributes({"pdd.eager_tokens": takeover.adopted, "pdd.handoff_mode": takeover.mode,
                                  "pdd.chunks": takeover.chunks})
-        return adoption.feed_ids, takeover.stats(request.request_id, kv_wait_s, time.monotonic() - t0)
+        return feed, takeover.stats(request.request_id, kv_wait_s, time.monotonic() - t0)
 
     async def _report_progress(self, request: DecodeRequest, io: DecoderIO, adopted_tokens: int) -> None:
         await io.publish(subjects.kv_ready(request.assign.relay_instance),

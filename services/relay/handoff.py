@@ -1,12 +1,15 @@
 """When and how Relay Decode hands a request to Main Decode. Plain logic; no NATS, no model.
 
 RLD decodes eagerly from the moment it has the prompt KV. MD reports progress: first that its
-KV is complete (0 output tokens adopted), then, in Catch-Up, each time it has recomputed a chunk.
+KV is complete (0 output tokens adopted), then, in Catch-Up, each time it has recomputed what RLD
+sent (`KVReady.adopted_tokens`).
 - One-Shot: at MD's first report RLD stops and sends every eager token ID at once (the cut).
-- Catch-Up: at each report RLD sends the tokens MD lacks as a chunk and keeps decoding while MD
-  recomputes it; once fewer than `threshold` tokens remain, RLD stops and sends the rest (the
-  cut). If a round does not shrink what remains (MD recomputes slower than RLD decodes), RLD
-  falls back to One-Shot at once, so Catch-Up always converges.
+- Catch-Up: at MD's first report RLD sends the eager tokens so far as one chunk, then streams each
+  token it makes to MD as it makes it and keeps decoding; MD recomputes whatever has arrived, all
+  of it in one pass per step. Once MD reports holding that first chunk, it is a step or two behind
+  RLD, and RLD stops and sends the rest (the cut): MD's final pass then recomputes only the
+  tokens still in flight, not a whole round's worth. With fewer than `threshold` eager tokens at
+  MD's first report there is nothing to stream for, and RLD cuts at once.
 `handoff_at` is a test knob that pins the cut to exactly that many eager tokens: RLD decodes on
 until it has made them even if MD is ready earlier, and waits for MD if it gets there first.
 Once the gateway says MD is lost, RLD decodes to the end alone and hands nothing off.
@@ -48,19 +51,25 @@ class HandoffPlan:
         self.threshold = threshold
         self.handoff_at = handoff_at
         self.sent = 0  # eager tokens already handed to MD
-        self.rounds = 0
-        self.fell_back = False
+        self.rounds = 0  # handoff messages sent, the cut's included
         self._main_reported = False  # MD reported progress we have not acted on yet
-        self._last_remaining: int | None = None
+        self._adopted = 0  # eager tokens MD last reported holding
+        self._first_chunk = 0  # Catch-Up: where the first chunk ended, once it was sent (then RLD streams)
         self.main_lost = False  # RLD finishes alone
 
-    def on_main_progress(self) -> None:
+    def on_main_progress(self, adopted_tokens: int = 0) -> None:
         self._main_reported = True
+        self._adopted = max(self._adopted, adopted_tokens)
 
     @property
     def main_reported(self) -> bool:
         """MD reported progress RLD has not acted on yet (a pinned cut waits for its token count)."""
         return self._main_reported
+
+    @property
+    def streaming(self) -> bool:
+        """Catch-Up after its first chunk: each new token goes to MD as RLD makes it."""
+        return self._first_chunk > 0
 
     def on_main_lost(self) -> None:
         self.main_lost = True
@@ -70,29 +79,31 @@ class HandoffPlan:
             return Decision(Step.DECODE)
         if self.handoff_at is not None and eager >= self.handoff_at:
             return self._act(Step.CUT, eager) if self._main_reported else Decision(Step.WAIT_FOR_MAIN)
-        if not self._main_reported:
-            return Decision(Step.DECODE)
+        if self.streaming:
+            if self.would_cut(eager):
+                return self._act(Step.CUT, eager)
+            return self._act(Step.SEND_CHUNK, eager) if eager > self.sent else Decision(Step.DECODE)
+        if not self._main_reported or (self.handoff_at is not None and self.mode is HandoffMode.ONE_SHOT):
+            return Decision(Step.DECODE)  # MD not ready yet (or One-Shot held by handoff_at)
         if self.would_cut(eager):
-            self.fell_back = self.fell_back or not self._cut_by_rule(eager - self.sent)
             return self._act(Step.CUT, eager)
-        if self.mode is HandoffMode.CATCH_UP and eager > self.sent:
-            self._last_remaining = eager - self.sent
-            return self._act(Step.SEND_CHUNK, eager)
-        return Decision(Step.DECODE)  # nothing new to send yet (or One-Shot held by handoff_at)
+        self._first_chunk = eager
+        return self._act(Step.SEND_CHUNK, eager)
 
-    def would_cut(self, eager: int) -> bool:
-        """Whether, once MD has reported, RLD cuts when it holds `eager` tokens (no state changes):
-        the cut RLD can announce to MD while it still makes the last of them."""
+    def would_cut(self, eager: int, adopted_tokens: int | None = None) -> bool:
+        """Whether, once MD has reported (`adopted_tokens`, if that report is not noted yet), RLD cuts
+        when it holds `eager` tokens (no state changes): the cut RLD can announce to MD while it
+        still makes the last of them."""
         if self.main_lost:
             return False
         if self.handoff_at is not None:
             return eager >= self.handoff_at
-        remaining = eager - self.sent
-        # or not converging: MD recomputes slower than RLD decodes
-        return self._cut_by_rule(remaining) or (self._last_remaining is not None and remaining >= self._last_remaining)
-
-    def _cut_by_rule(self, remaining: int) -> bool:
-        return self.mode is HandoffMode.ONE_SHOT or remaining < self.threshold
+        if self.mode is HandoffMode.ONE_SHOT:
+            return True
+        if self.streaming:
+            adopted = self._adopted if adopted_tokens is None else max(self._adopted, adopted_tokens)
+            return adopted >= self._first_chunk
+        return eager - self.sent < self.threshold
 
     def _act(self, step: Step, eager: int) -> Decision:
         decision = Decision(step, self.sent, eager)

@@ -91,12 +91,14 @@ class RelayRole:
         request.peer_messages.put_nowait(ready)
         running = self._stepping.get(ready.request_id)
         if running is not None:
-            await self._announce_cut(request, io, running)
+            await self._announce_cut(request, io, running, ready.adopted_tokens)
 
-    async def _announce_cut(self, request: DecodeRequest, io: DecoderIO, running: _RunningStep) -> None:
+    async def _announce_cut(self, request: DecodeRequest, io: DecoderIO, running: _RunningStep,
+                            adopted_tokens: int | None = None) -> None:
         """If the step in flight makes the cut's last token, tell MD when the cut will come, so its
         engine can hold a step for it instead of starting one the cut must then wait out."""
-        if running.announced or not running.step_s or not running.plan.would_cut(len(request.seq.output_ids) + 1):
+        if (running.announced or not running.step_s
+                or not running.plan.would_cut(len(request.seq.output_ids) + 1, adopted_tokens)):
             return
         running.announced = True
         self.cuts_announced += 1
@@ -151,13 +153,13 @@ class RelayRole:
                                          Handoff(request.request_id, [], finished=True, mode=plan.mode.value))
                     break
             span.set_attributes({"pdd.eager_tokens": len(seq.output_ids), "pdd.eager_s": time.monotonic() - t0,
-                                 "pdd.handoff_rounds": plan.rounds, "pdd.catch_up_fell_back": plan.fell_back})
+                                 "pdd.handoff_rounds": plan.rounds})
             io.metrics.eager_tokens.observe(len(seq.output_ids))
         return outcome
 
     async def _hand_off(self, request: DecodeRequest, io: DecoderIO, decision: Decision, plan: HandoffPlan) -> None:
         final = decision.step is Step.CUT
-        mode = HandoffMode.ONE_SHOT if plan.fell_back else plan.mode
+        mode = plan.mode
         with io.tracer.start_as_current_span("relay.handoff_chunk") as span:
             span.set_attributes({"pdd.start": decision.start, "pdd.end": decision.end, "pdd.final": final})
             if final:
@@ -182,4 +184,4 @@ def _note(plan: HandoffPlan, message: object) -> None:
     if isinstance(message, MainLost):
         plan.on_main_lost()
     elif isinstance(message, KVReady):
-        plan.on_main_progress()
+        plan.on_main_progress(message.adopted_tokens)
