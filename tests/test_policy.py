@@ -336,10 +336,11 @@ def test_a_handoff_after_a_handful_of_eager_tokens_still_catches_up() -> None:
     from shared.names import HandoffMode
 
     plan = HandoffPlan(HandoffMode.CATCH_UP, HandoffConfig().catch_up_threshold, handoff_at=None)
-    plan.on_main_progress()  # MD's KV is in after 6 eager tokens
+    plan.on_main_progress(0)  # MD's KV is in after 6 eager tokens
     first = plan.next(6)
     assert (first.step, first.start, first.end) == (Step.SEND_CHUNK, 0, 6), "RLD keeps decoding while MD recomputes"
-    assert plan.next(7).step is Step.DECODE
-    plan.on_main_progress()
+    streamed = plan.next(7)
+    assert (streamed.step, streamed.start, streamed.end) == (Step.SEND_CHUNK, 6, 7), "each new token goes at once"
+    plan.on_main_progress(6)
     cut = plan.next(8)
-    assert (cut.step, cut.start, cut.end) == (Step.CUT, 6, 8), "the final pass recomputes two tokens, not eight"
+    assert (cut.step, cut.start, cut.end) == (Step.CUT, 7, 8), "the final chunk holds one token, not eight"
