@@ -101,7 +101,14 @@ def test_a_held_stream_is_released_once_relay_no_longer_finishes_first() -> None
     assert not any(watch.should_release(n, 0.05 * n) for n in range(1, 7)), "RLD keeps its predicted pace"
     slow = RelayWatch.of(decision, CONFIG, est, 6)
     assert not slow.should_release(1, 0.0) and not slow.should_release(2, 0.4), "one gap proves nothing yet"
-    assert slow.should_release(3, 0.8), "0.4 s a token: the last 3 take 1.2 s; MD could take over within 0.47 s"
+    assert slow.should_release(3, 0.8), "0.4 s a token, 0.225 s with the 50 ms step: the last 3 take 0.68 s; " \
+        "MD could take over within 0.47 s"
+    # two slow first gaps (the request joining RLD's batch beside P's prefill), then RLD's own pace
+    noisy = RelayWatch.of(decision, CONFIG, est, 6)
+    times = [0.0, 0.13, 0.26, 0.31, 0.36, 0.41]
+    assert not any(noisy.should_release(n, t) for n, t in enumerate(times, start=1)), \
+        "130 ms gaps twice: shrunk toward the 50 ms step, the last 3 take 0.27 s, within MD's 0.47 s"
+    assert RelayWatch.of(decision, CONFIG, est, 6).should_release(3, 0.26) is False
 
 
 def test_index_mirrors_the_main_cache_from_its_events() -> None:

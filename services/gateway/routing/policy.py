@@ -96,6 +96,9 @@ def choose_pipeline(config: PolicyConfig, prompt_tokens: int, max_tokens: int, m
     return decided(Pipeline.P_RLD_MD, "RLD starts meaningfully earlier than MD")
 
 
+PRIOR_GAPS = 2  # RelayWatch: how many gaps RLD's measured step counts for against a request's own
+
+
 @dataclass
 class RelayWatch:
     """A request whose MD KV P holds back: release it once RLD, at its own pace, is predicted to
@@ -116,11 +119,18 @@ class RelayWatch:
                    estimate.relay_step_s)
 
     def should_release(self, relay_tokens: int, now_s: float) -> bool:
-        """RLD has made `relay_tokens` tokens, the last at `now_s` (monotonic)."""
+        """RLD has made `relay_tokens` tokens, the last at `now_s` (monotonic).
+
+        From two gaps on, RLD's pace is the request's own mean gap, shrunk toward RLD's measured
+        step as if that were PRIOR_GAPS gaps already seen: a request's first gaps are its noisiest
+        (it joins RLD's batch while P, beside it, may still be prefilling), and a release cannot be
+        taken back, where a hold is looked at again at the next token.
+        """
         if self.first_token_at is None:
             self.first_token_at = now_s
         step = self.relay_step_s
-        if relay_tokens >= 3:  # two gaps of its own: RLD's pace for this request
-            step = (now_s - self.first_token_at) / (relay_tokens - 1)
+        if relay_tokens >= 3:  # two gaps of its own
+            gaps = relay_tokens - 1
+            step = ((now_s - self.first_token_at) + PRIOR_GAPS * self.relay_step_s) / (gaps + PRIOR_GAPS)
         relay_left_s = max(0, self.max_tokens - relay_tokens) * step
         return relay_left_s > self.main_kv_s + self.relay_min_gain_s
