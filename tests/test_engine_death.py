@@ -1,0 +1,79 @@
+"""A decoder whose engine thread dies (a bug outside the forward), on real processes (tiny model):
+the process stops and exits with status 1, so a supervisor sees it gone, and the request it held
+moves on (to RLD, the only decoder left) instead of hanging on an engine nobody runs.
+
+The bug is put into a restarted MD through a `sitecustomize` module on its PYTHONPATH: the
+engine's scheduler raises at the first step that has work. Nothing else is mocked."""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from tools.api_client import stream_completion
+from tools.launcher import LocalStack
+from tools.stack_config import StackConfig
+
+from helpers import fresh_heartbeats, random_prompt
+
+BEAT = ["--heartbeat-s", "0.25"]
+
+# Runs at the interpreter's start, before services.main is imported.
+BROKEN_ENGINE = '''
+from shared import batch_engine
+
+_make_room = batch_engine.BatchEngine._make_room
+
+
+def _broken(self, batch):
+    if batch:
+        raise RuntimeError("injected: a bug in the engine's scheduling")
+    return _make_room(self, batch)
+
+
+batch_engine.BatchEngine._make_room = _broken
+'''
+
+
+@pytest.fixture(scope="module")
+async def stack(tmp_path_factory):
+    config = StackConfig(model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1,
+                         pipeline="p-md", startup_timeout_s=120,
+                         extra_args={"prefill": BEAT, "relay": BEAT, "main": BEAT,
+                                     "gateway": [*BEAT, "--token-timeout-s", "20", "--request-timeout-s", "60"]})
+    async with LocalStack(config) as running:
+        yield running
+
+
+async def wait_exited(stack, role: str, timeout_s: float) -> int:
+    async with asyncio.timeout(timeout_s):
+        while (code := stack.processes[role].poll()) is None:
+            await asyncio.sleep(0.05)
+    return code
+
+
+async def test_an_md_whose_engine_dies_exits_with_status_1_and_its_request_moves_to_relay(
+        stack, session, tiny_generate, tmp_path, monkeypatch):
+    (tmp_path / "sitecustomize.py").write_text(BROKEN_ENGINE)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path), prepend=os.pathsep)
+    await stack.restart("main")
+    monkeypatch.undo()  # only the restarted MD gets the bug
+    await fresh_heartbeats(stack.nats_url)  # the broken MD is up and beating: its loop is fine until work comes
+
+    prompt = random_prompt(41, 60)
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "pdd": {"pipeline": "p-md"}}
+    async with asyncio.timeout(60):
+        result = await stream_completion(session, stack.api_url, body)
+    # MD failed the request before its first token and is gone: the gateway moved it to RLD
+    assert result.token_ids == tiny_generate(prompt, 24) and set(result.tiers) == {"relay"}
+    migration, = result.summary["migrations"]
+    assert (migration["lost"], migration["pipeline"], migration["after_tokens"]) == ("main", "p-rld", 0)
+
+    assert await wait_exited(stack, "main", 30) == 1
+    log = stack.log_paths["main"].read_text()
+    assert "engine loop died" in log and "injected: a bug in the engine's scheduling" in log
+    assert "Traceback" in log
+
+    await stack.restart("main")  # the unbroken MD again, for whatever runs next in this module
+    await fresh_heartbeats(stack.nats_url)
