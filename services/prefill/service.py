@@ -147,17 +147,16 @@ class PrefillService:
         hit = job.cached_tokens
         try:
             job.move(Phase.COMPUTING)
-            chunks: list[torch.Tensor] = []
-            if hit:
-                chunks.append(await self.cache.call(self.cache.tree.gather, job.prefix))
-            await self.prefiller.open(req.request_id, len(kv_ids), chunks[0] if chunks else None)
+            prefix_kv = await self.cache.call(self.cache.tree.gather, job.prefix) if hit else None
+            await self.prefiller.open(req.request_id, len(kv_ids), prefix_kv)
+            computed: list[torch.Tensor] = []
             for chunk in chunk_ranges(len(kv_ids), self.config.chunk_tokens, start=hit):
                 kv, _, _ = await self.prefiller.compute_chunk(req.request_id, kv_ids, chunk)
-                chunks.append(kv)
+                computed.append(kv)
             job.move(Phase.SENDING)
             self.prefiller.release(req.request_id)
-            if len(chunks) > (1 if hit else 0):
-                await self._keep(kv_ids, await self.engine.run(_concat_tokens, chunks[1 if hit else 0:]), hit)
+            if computed:
+                await self._keep(kv_ids, await self.engine.run(_concat_tokens, computed), hit)
                 self.metrics.warmed_tokens.inc(len(kv_ids) - hit)
             job.move(Phase.DONE)
         except asyncio.CancelledError:
@@ -275,12 +274,12 @@ class PrefillService:
                     self._start_transfer_span(job, transfer)
                 t0 = time.monotonic()
                 job.move(Phase.COMPUTING)
-                chunks: list[torch.Tensor] = []
+                computed: list[torch.Tensor] = []
                 if hit:
                     # the prefix stays locked until the computed rest is kept after it (finally releases it)
-                    chunks.append(await self.cache.call(self.cache.tree.gather, job.prefix))
-                    await self.prefiller.open(req.request_id, len(kv_ids), chunks[0])
-                    await job.queue_kv((0, hit), chunks[0])
+                    prefix_kv = await self.cache.call(self.cache.tree.gather, job.prefix)
+                    await self.prefiller.open(req.request_id, len(kv_ids), prefix_kv)
+                    await job.queue_kv((0, hit), prefix_kv)
                 else:
                     await self.prefiller.open(req.request_id, len(kv_ids))
                 for chunk in chunk_ranges(len(kv_ids), self.config.chunk_tokens, start=hit):
@@ -297,16 +296,15 @@ class PrefillService:
                     if chunk[0] == hit:  # the first chunk's wait for the engine is the request's queueing
                         tracing.record_span(self.tracer, "prefill.queue", submitted_ns, started_ns,
                                             {"pdd.engine_queued": self.engine.queued})
-                    chunks.append(kv)
+                    computed.append(kv)
                     await job.queue_kv(chunk, kv)
                 prefill_s = time.monotonic() - t0
                 job.move(Phase.SENDING)
                 self.metrics.prefill_time.observe(prefill_s)
                 self.metrics.computed_tokens.inc(len(kv_ids) - hit)
                 self.prefiller.release(req.request_id)
-                if self.cache is not None and len(chunks) > (1 if hit else 0):
-                    computed_kv = await self.engine.run(_concat_tokens, chunks[1 if hit else 0:])
-                    await self._keep(kv_ids, computed_kv, hit)
+                if self.cache is not None and computed:
+                    await self._keep(kv_ids, await self.engine.run(_concat_tokens, computed), hit)
                 results = await asyncio.gather(*(self._finish_transfer(job, t) for t in job.transfers))
                 for result in results:
                     span.add_event("kv_transfer", {"pdd.role": result.target.role, "pdd.kv_bytes": result.kv_bytes,

@@ -159,14 +159,13 @@ class RelayRole:
 
     async def _hand_off(self, request: DecodeRequest, io: DecoderIO, decision: Decision, plan: HandoffPlan) -> None:
         final = decision.step is Step.CUT
-        mode = plan.mode
         with io.tracer.start_as_current_span("relay.handoff_chunk") as span:
             span.set_attributes({"pdd.start": decision.start, "pdd.end": decision.end, "pdd.final": final})
             if final:
-                io.metrics.handoffs.labels(mode.value).inc()
+                io.metrics.handoffs.labels(plan.mode.value).inc()
             await io.publish(subjects.handoff(request.assign.main_instance), Handoff(
                 request.request_id, request.seq.output_ids[decision.start:decision.end], finished=False,
-                start=decision.start, final=final, mode=mode.value))
+                start=decision.start, final=final, mode=plan.mode.value))
 
 
 @dataclass
