@@ -180,10 +180,11 @@ class BatchEngine:
                 continue
 
     async def open(self, key: str, parts: Sequence[torch.Tensor], kv_tokens: int,
-                   seq: DecodeSequence | None = None) -> SequenceKV:
+                   seq: DecodeSequence | None = None, pending_tokens: int = 0) -> SequenceKV:
         """Admit a request that will hold at most `kv_tokens` KV positions (waiting while the budget is
-        full), filled with parts. A decoding request (`seq`) gets its parts and `kv_grow_tokens` more
-        now, and grows as it goes; any other gets all `kv_tokens` at once.
+        full), filled with parts. A decoding request (`seq`) gets its parts, the `pending_tokens` that
+        `fill` will add (the rest of its prompt, still arriving) and `kv_grow_tokens` more now, and
+        grows as it goes; any other gets all `kv_tokens` at once.
 
         The caller must `release(key)` on every path once this was called, also when it was
         cancelled while waiting: the release is what frees the KV or withdraws the wait.
@@ -192,7 +193,8 @@ class BatchEngine:
         if budget and kv_tokens > budget:
             raise KVBudgetExceeded(f"{key} needs {kv_tokens} KV tokens, more than the budget of {budget}")
         grow = self.config.kv_grow_tokens
-        first = min(kv_tokens, sum(part.shape[3] for part in parts) + grow) if seq is not None and grow else kv_tokens
+        filled = sum(part.shape[3] for part in parts) + pending_tokens
+        first = min(kv_tokens, filled + grow) if seq is not None and grow else kv_tokens
         future = asyncio.get_running_loop().create_future()
         admission = _Admission(key, parts, kv_tokens, first, seq, future)
         self._command(lambda: self._waiting.append(admission), future)
@@ -262,6 +264,18 @@ class BatchEngine:
             self._command(lambda: self._release(key))
         except NotAdmitted:  # the engine stopped, and freed everything as it did
             pass
+
+    async def fill(self, key: str, part: torch.Tensor) -> None:
+        """Copy KV positions [layers, 2, kv_heads, tokens, head_dim] after an admitted request's filled
+        ones, between steps, at most `fill_slice_bytes` between two steps (a slice waits for the
+        previous one's copy, so the others' steps go on in between)."""
+        tokens = part.shape[3]
+        token_bytes = part[:, :, :, :1].nbytes or 1
+        step = max(1, self.config.fill_slice_bytes // token_bytes) if self.config.fill_slice_bytes else tokens
+        for start in range(0, tokens, step):
+            await self.run(self._fill, key, part[:, :, :, start:start + step])
+        if not tokens:
+            await self.run(self._fill, key, part)  # still checks that the request is admitted
 
     async def export(self, key: str, start: int, end: int) -> torch.Tensor:
         """A copy of positions [start, end) of a request's KV, taken between steps."""
@@ -596,6 +610,12 @@ class BatchEngine:
                 self._expected.add(work.key)
             settled.append((work.future, result, None))
         return settled
+
+    def _fill(self, key: str, part: torch.Tensor) -> None:
+        slot = self._slots.get(key)
+        if slot is None:
+            raise NotAdmitted(f"{key} holds no KV here")
+        self.runner.append_kv(slot.kv, part)
 
     def _export(self, key: str, start: int, end: int) -> torch.Tensor:
         slot = self._slots.get(key)

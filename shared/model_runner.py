@@ -317,12 +317,16 @@ class ModelRunner:
                            device=self.device)
         kv = SequenceKV(data, dtype=self.dtype)
         for part in parts:
-            n = part.shape[3]
-            if kv.length + n > capacity:
-                raise ValueError(f"{kv.length + n} KV positions do not fit a capacity of {capacity}")
-            data[:, :, :, kv.length:kv.length + n] = part.to(self.dtype)  # the model's rounding, then kept
-            kv.length += n
+            self.append_kv(kv, part)
         return kv
+
+    def append_kv(self, kv: SequenceKV, part: torch.Tensor) -> None:
+        """Copy part [layers, 2, kv_heads, tokens, head_dim] into the positions after kv's filled ones."""
+        n = part.shape[3]
+        if kv.length + n > kv.capacity:
+            raise ValueError(f"{kv.length + n} KV positions do not fit a capacity of {kv.capacity}")
+        kv.data[:, :, :, kv.length:kv.length + n] = part.to(self.dtype)  # the model's rounding, then kept
+        kv.length += n
 
     def grown(self, data: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
         """A request's KV data with room for `capacity` positions, its first `length` copied over."""

@@ -228,26 +228,40 @@ class RadixCache:
             self._count_query(len(ids), pos)
         return PrefixHandle(self, node, pos)
 
-    def gather(self, handle: PrefixHandle, length: int | None = None) -> torch.Tensor:
-        """The KV of a locked prefix, as one new tensor.
+    def pieces(self, handle: PrefixHandle, length: int | None = None) -> list[torch.Tensor]:
+        """The KV of a locked prefix as views of the cache's own pieces, in order, copying nothing.
+
+        The cache never writes a piece in place (a split clones both halves), so the views stay valid
+        and unchanged even after the handle is released; the handle is what keeps their bytes counted
+        (and unevicted) while the caller copies them.
 
         Args:
             handle: an unreleased handle from this cache's `lock`.
             length: the first `length` tokens only; default the whole match.
         Returns:
-            [layers, 2, kv_heads, length, head_dim].
+            [layers, 2, kv_heads, tokens, head_dim] each, their tokens summing to `length`.
         Raises:
-            ValueError: a released or foreign handle, a length outside [0, handle.length], or an
-                empty gather before anything was ever inserted (the KV shape is not known yet).
+            ValueError: a released or foreign handle, or a length outside [0, handle.length].
         """
         if handle._cache is not self or handle.released:
-            raise ValueError("gather needs an unreleased handle from this cache")
+            raise ValueError("pieces need an unreleased handle from this cache")
         n = handle.length if length is None else length
         if not 0 <= n <= handle.length:
-            raise ValueError(f"gather length {n} outside [0, {handle.length}]")
+            raise ValueError(f"prefix length {n} outside [0, {handle.length}]")
         path = list(self._path(handle._node))
         path.reverse()
-        parts = [node.kv[:, :, :, :n - node.start] for node in path if node.start < n and node.kv is not None]
+        return [node.kv[:, :, :, :n - node.start] for node in path if node.start < n and node.kv is not None]
+
+    def gather(self, handle: PrefixHandle, length: int | None = None) -> torch.Tensor:
+        """The KV of a locked prefix, as one new tensor: `pieces`, concatenated.
+
+        Returns:
+            [layers, 2, kv_heads, length, head_dim].
+        Raises:
+            ValueError: as `pieces`, or an empty gather before anything was ever inserted (the KV
+                shape is not known yet).
+        """
+        parts = self.pieces(handle, length)
         if parts:
             return torch.cat(parts, dim=TOKEN_DIM)
         if self._layout is None:

@@ -87,6 +87,38 @@ async def test_requests_joining_and_leaving_at_different_steps_match_generate(ru
         assert engine.stats()["kv_used_tokens"] == 0 and engine.running == 0
 
 
+async def test_a_request_admitted_with_its_prefix_takes_the_rest_by_fill(runner, prompts, tiny_generate):
+    """MD's path: admitted with room for the whole prompt's KV, the DRC's prefix filled in (piece by
+    piece, a few positions between two steps), the rest once it crossed; the decode is token-exact
+    and nothing grew to take it."""
+    prompt_ids = prompts[5]
+    kv = prompt_kv(runner, prompt_ids)[0]
+    pieces, rest = [kv[:, :, :, :20], kv[:, :, :, 20:40]], kv[:, :, :, 40:]
+    with engine_with(runner, kv_grow_tokens=4, fill_slice_bytes=7 * kv[:, :, :, :1].nbytes) as engine:
+        seq = sequence(runner, "md", prompt_ids, 12)
+        admitted = await engine.open(seq.request_id, pieces[:1], seq.kv_tokens_needed, seq, 20 + rest.shape[3])
+        assert admitted.length == 20 and admitted.capacity == len(prompt_ids) - 1 + 4
+        await engine.fill(seq.request_id, pieces[1])
+        assert admitted.length == 40
+        await engine.fill(seq.request_id, rest)  # 16 positions: slices of 7, 7, 2
+        assert admitted.length == len(prompt_ids) - 1
+        assert await decode_admitted(engine, seq) == tiny_generate(prompt_ids, 12)
+        with pytest.raises(NotAdmitted):
+            await engine.fill("unknown", rest)
+
+
+async def decode_admitted(engine: BatchEngine, seq: DecodeSequence) -> list[int]:
+    try:
+        feed = [seq.prompt_ids[-1]]
+        while True:
+            token, finish_reason = await engine.step(seq, feed)
+            if finish_reason is not None:
+                return seq.output_ids
+            feed = [token]
+    finally:
+        engine.release(seq.request_id)
+
+
 async def wait_for_steps(engine: BatchEngine, steps: int) -> None:
     while engine.steps < steps:
         await asyncio.sleep(0.001)

@@ -62,7 +62,7 @@ async def test_an_error_in_a_call_reaches_the_caller_and_the_worker_goes_on() ->
         worker.close()
 
 
-async def test_the_loop_runs_while_the_drc_inserts_and_gathers() -> None:
+async def test_the_loop_runs_while_the_drc_inserts_and_hands_out_a_prefix() -> None:
     drc = DecodeCache(CacheConfig(tokens=1 << 20, kv_bytes=1 << 34))
     ids = list(range(100, 4100))
     kv = torch.randn(30, 2, 3, len(ids), 64)  # SmolLM2's shape: 4k tokens, ~190 MB in float32
@@ -83,11 +83,13 @@ async def test_the_loop_runs_while_the_drc_inserts_and_gathers() -> None:
         assert ticks > before  # the loop ran while the clone was made
         assert events and events[0]["kind"] == "stored"
         assert await drc.lock("req-1", ids + [7]) == len(ids)
-        before = ticks
-        parts = await drc.assemble("req-1", kv_for([5]))
-        assert ticks > before
-        assert torch.equal(parts[0], kv) and len(parts) == 2
-        assert drc.gauges()["locked_nodes"] == 0  # assembling released the lock
+        parts = await drc.prefix("req-1")
+        assert torch.equal(torch.cat(parts, dim=3), kv)
+        assert parts[0].data_ptr() == drc.cache.pieces(drc._locks["req-1"])[0].data_ptr()  # views: no copy
+        assert drc.gauges()["locked_nodes"] > 0  # held until the engine copied it
+        drc.unlock("req-1")
+        await drc.prefix("probe")  # a call on the worker, after the queued unlock
+        assert drc.gauges()["locked_nodes"] == 0
     finally:
         stop.set()
         await ticker
@@ -106,8 +108,11 @@ async def test_the_drc_copies_out_only_what_it_lacks_of_a_finished_request() -> 
         assert starts == [0, len(first), len(second)]  # the cached prefix is never copied out again
         assert drc.cache.tokens == len(second)
         assert await drc.lock("turn-3", second + [7]) == len(second)
-        parts = await drc.assemble("turn-3", kv_for([7]))
-        assert torch.equal(parts[0], kv_for(second))  # the two inserts joined into the whole KV
+        parts = await drc.prefix("turn-3")
+        assert len(parts) == 2  # the two inserts' pieces ...
+        assert torch.equal(torch.cat(parts, dim=3), kv_for(second))  # ... joined into the whole KV
+        drc.unlock("turn-3")
+        await drc.prefix("probe")
         assert drc.gauges()["locked_nodes"] == 0
         # keeping counts no lookups: turn-3's lock is the one query, and it hit all it asked
         assert (drc.cache.query_tokens, drc.cache.hit_tokens) == (len(second), len(second))
@@ -132,7 +137,7 @@ async def test_a_keep_cancelled_during_its_export_leaves_nothing_locked() -> Non
         keep.cancel()
         with pytest.raises(asyncio.CancelledError):
             await keep
-        await drc.assemble("probe", kv_for([1]))  # a call on the worker, after the queued unpin
+        await drc.prefix("probe")  # a call on the worker, after the queued unpin
         assert drc.cache.locked_nodes == 0
         assert drc.cache.tokens == 20
     finally:

@@ -69,6 +69,24 @@ def test_gathered_kv_equals_inserted_kv() -> None:
     cache.check_invariants()
 
 
+def test_pieces_are_views_that_outlive_splits_and_the_release() -> None:
+    """MD's engine copies a locked prefix from its pieces, not from a gathered copy; the cache never
+    writes a piece in place, so a later split (or the release) leaves them as they were."""
+    cache = RadixCache(BIG, BIG)
+    first, second = [1, 2, 3, 4], [1, 2, 3, 4, 5, 6]
+    cache.insert(first, kv_for(first))
+    cache.insert(second, kv_for(second)[:, :, :, 4:], kv_start=4)
+    handle = cache.lock(second)
+    pieces = cache.pieces(handle)
+    assert [p.shape[3] for p in pieces] == [4, 2]
+    assert pieces[0].data_ptr() == cache.pieces(handle)[0].data_ptr()  # views: nothing copied
+    cache.insert([1, 2, 9], kv_for([1, 2, 9]))  # splits the first piece's node in two
+    handle.release()
+    cache.check_invariants()
+    assert torch.equal(torch.cat(pieces, dim=3), kv_for(second))
+    assert [p.shape[3] for p in cache.pieces(cache.lock(second))] == [2, 2, 2]
+
+
 def test_stored_kv_does_not_alias_the_callers_buffer() -> None:
     cache = RadixCache(BIG, BIG)
     kv = kv_for([1, 2, 3])

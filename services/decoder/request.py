@@ -1,7 +1,8 @@
 """One request on a decoder (RLD or MD) and the phases it moves through.
 
-1. KV_WAIT      assigned: its KV inbox is open (MD may already hold a prefix of the prompt in its DRC)
-2. ADMITTING    its KV is complete; it waits for the batch engine's KV budget
+1. ADMITTING    assigned: its KV inbox is open; it waits for the batch engine's KV budget, then the
+                engine copies the prefix the decoder already holds (MD's DRC) while P sends the rest
+2. KV_WAIT      admitted: the rest of the prompt's KV is on its way, then copied after the prefix
 3. DECODING     the role decodes: steps, extends, handoff messages
 4. FINISHED     the last token is out, or
    HANDED_OFF   RLD cut over: MD makes the rest, or
@@ -32,8 +33,8 @@ from shared.model_runner import DecodeSequence
 
 
 class Phase(enum.Enum):
-    KV_WAIT = "kv_wait"
     ADMITTING = "admitting"
+    KV_WAIT = "kv_wait"
     DECODING = "decoding"
     FINISHED = "finished"
     HANDED_OFF = "handed_off"
@@ -45,14 +46,14 @@ class Phase(enum.Enum):
     @property
     def cancellable(self) -> bool:
         """Whether an Abort still cancels the request."""
-        return self in (Phase.KV_WAIT, Phase.ADMITTING, Phase.DECODING)
+        return self in (Phase.ADMITTING, Phase.KV_WAIT, Phase.DECODING)
 
 
 _ENDED = {Phase.FAILED, Phase.ABORTED}
 _DECODED = {Phase.FINISHED, Phase.HANDED_OFF, Phase.RELAY_FINISHED}
 _ALLOWED = {
-    Phase.KV_WAIT: {Phase.ADMITTING, *_ENDED},
-    Phase.ADMITTING: {Phase.DECODING, *_ENDED},
+    Phase.ADMITTING: {Phase.KV_WAIT, *_ENDED},
+    Phase.KV_WAIT: {Phase.DECODING, *_ENDED},
     Phase.DECODING: {*_DECODED, *_ENDED},
     **{p: {Phase.RELEASED, *_ENDED} for p in _DECODED},  # the work after the decode can still fail
     **{p: {Phase.RELEASED} for p in _ENDED},
@@ -70,7 +71,7 @@ class DecodeRequest:
     inbox: KVInbox
     trace_context: otel_context.Context
     assigned_at: float = field(default_factory=time.monotonic)
-    phase: Phase = Phase.KV_WAIT
+    phase: Phase = Phase.ADMITTING
     seq: DecodeSequence | None = None  # set once admitted
     peer_messages: asyncio.Queue[PeerMessage] = field(default_factory=asyncio.Queue)  # for the role's decode
     task: asyncio.Task | None = None

@@ -72,8 +72,12 @@ class DecoderRole(Protocol):
     async def hold_prefix(self, assign: DecodeAssign) -> int:
         """Lock the prompt prefix whose KV this decoder already holds; its length in tokens (P sends the rest)."""
 
-    async def assemble_kv(self, request: DecodeRequest, received: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The request's prompt KV in order: a held prefix (then unlocked), then what P sent."""
+    async def prefix_kv(self, request: DecodeRequest) -> tuple[torch.Tensor, ...]:
+        """The KV of the held prefix, in order, for the engine to copy before P's rest arrives (views
+        that stay valid; held until `unlock_prefix`)."""
+
+    def unlock_prefix(self, request: DecodeRequest) -> None:
+        """The engine copied the held prefix (or never will): let it go; idempotent."""
 
     async def decode(self, request: DecodeRequest, io: DecoderIO) -> Phase:
         """Decode an admitted request (request.seq); the phase it ended in (FINISHED, HANDED_OFF, ...)."""

@@ -148,8 +148,20 @@ class DecoderService:
                 span.set_attributes({"pdd.request_id": request.request_id, "pdd.cached_tokens": request.inbox.token_start})
                 request.span = span
                 inbox = request.inbox
+                # in the engine now, its held prefix copied in while P computes and sends the rest
+                # (a slice between two steps): when that arrives, only its own positions are left
+                submitted_ns = time.time_ns()
+                try:
+                    request.seq = await self._admit(request, inbox.token_end)
+                    for piece in await self.role.prefix_kv(request):
+                        await self.engine.fill(request.request_id, piece)
+                finally:
+                    self.role.unlock_prefix(request)
+                tracing.record_span(self.tracer, f"{self.name}.queue", submitted_ns, time.time_ns(),
+                                    {"pdd.engine_queued": self.engine.queued, "pdd.prefix_tokens": inbox.token_start})
+                request.move(Phase.KV_WAIT)
                 with self.tracer.start_as_current_span(f"{self.name}.kv_wait") as wait_span:
-                    kv = await inbox.wait(request.assign.deadline_s, self.config.kv_stall_timeout_s)
+                    kv = await inbox.wait(request.time_left_s(), self.config.kv_stall_timeout_s)
                     wait_span.set_attributes({"pdd.kv_bytes": inbox.bytes_received,
                                               "pdd.kv_tokens": inbox.token_end - inbox.token_start})
                 self.metrics.kv_received_bytes.inc(inbox.bytes_received)
@@ -157,13 +169,8 @@ class DecoderService:
                 await bus.publish(self.nc, request.events_subject, KVReceived(
                     request.request_id, self.name, inbox.token_start, inbox.token_end - inbox.token_start,
                     inbox.bytes_received, time.monotonic() - request.assigned_at, inbox.link_bytes_per_s))
-                parts = await self.role.assemble_kv(request, kv)
-                request.move(Phase.ADMITTING)
-                submitted_ns = time.time_ns()
-                request.seq = await self._admit(request, parts)
+                await self.engine.fill(request.request_id, kv)
                 request.move(Phase.DECODING)
-                tracing.record_span(self.tracer, f"{self.name}.queue", submitted_ns, time.time_ns(),
-                                    {"pdd.engine_queued": self.engine.queued})
                 request.move(await self.role.decode(request, self))
                 await self.role.settle(request, self)
         except asyncio.CancelledError:
@@ -184,14 +191,15 @@ class DecoderService:
             self.requests.pop(request.request_id, None)
             request.move(Phase.RELEASED)
 
-    async def _admit(self, request: DecodeRequest, parts: tuple[torch.Tensor, ...]) -> DecodeSequence:
-        """Reserve the request's KV in the batch engine, waiting while its budget is full, and fill it."""
+    async def _admit(self, request: DecodeRequest, prompt_kv_tokens: int) -> DecodeSequence:
+        """Reserve the request's KV in the batch engine, waiting while its budget is full, with room
+        for the `prompt_kv_tokens` that `fill` brings in."""
         assign = request.assign
         seq = DecodeSequence(assign.request_id, assign.prompt_ids, assign.sampling, self.runner.max_context_tokens,
                              first_index=assign.output_offset)
         try:
             async with asyncio.timeout(request.time_left_s()):
-                await self.engine.open(seq.request_id, parts, seq.kv_tokens_needed, seq)
+                await self.engine.open(seq.request_id, (), seq.kv_tokens_needed, seq, prompt_kv_tokens)
         except TimeoutError as exc:
             raise DeadlineExceeded(f"no KV budget for {assign.request_id} before its deadline") from exc
         return seq

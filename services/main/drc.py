@@ -1,7 +1,7 @@
 """MD's Decode-side RadixCache (DRC): the prompt prefixes MD already holds and the KV it keeps.
 
-A request's prefix is locked from its assignment until its KV is assembled (the prefix, then
-what P sent); a finished request's KV is kept for the session's next turn. The changes become the
+A request's prefix is locked from its assignment until MD's engine has copied it (at once, while
+P computes and sends the rest); a finished request's KV is kept for the session's next turn. The changes become the
 events the gateway's cache index follows: `keep` returns them and the caller publishes them.
 """
 from __future__ import annotations
@@ -30,9 +30,10 @@ class DecodeCache:
         """Lock the longest cached prefix of the prompt's KV positions; its length in tokens."""
         return await self._worker.call(self._lock, request_id, prompt_ids)
 
-    async def assemble(self, request_id: str, received: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The locked prefix's KV (copied, then unlocked) before the received rest."""
-        return await self._worker.call(self._assemble, request_id, received)
+    async def prefix(self, request_id: str) -> tuple[torch.Tensor, ...]:
+        """The locked prefix's KV, as views of the cache's pieces (copying nothing): valid for as long
+        as the caller likes, counted in the cache until `unlock`."""
+        return await self._worker.call(self._prefix, request_id)
 
     def unlock(self, request_id: str) -> None:
         """Release the request's prefix, if still locked (in order after anything asked before)."""
@@ -64,14 +65,9 @@ class DecodeCache:
         self._locks[request_id] = handle
         return handle.length
 
-    def _assemble(self, request_id: str, received: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        handle = self._locks.pop(request_id, None)
-        if handle is None:
-            return (received,)
-        try:
-            return (self.cache.gather(handle), received) if handle.length else (received,)
-        finally:
-            handle.release()
+    def _prefix(self, request_id: str) -> tuple[torch.Tensor, ...]:
+        handle = self._locks.get(request_id)
+        return tuple(self.cache.pieces(handle)) if handle is not None and handle.length else ()
 
     def _unlock(self, request_id: str) -> None:
         handle = self._locks.pop(request_id, None)

@@ -45,12 +45,15 @@ class MainRole:
     async def hold_prefix(self, assign: DecodeAssign) -> int:
         return await self.drc.lock(assign.request_id, assign.prompt_ids) if self.drc is not None else 0
 
-    async def assemble_kv(self, request: DecodeRequest, received: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return await self.drc.assemble(request.request_id, received) if self.drc is not None else (received,)
+    async def prefix_kv(self, request: DecodeRequest) -> tuple[torch.Tensor, ...]:
+        return await self.drc.prefix(request.request_id) if self.drc is not None else ()
 
-    def release(self, request: DecodeRequest) -> None:
+    def unlock_prefix(self, request: DecodeRequest) -> None:
         if self.drc is not None:
             self.drc.unlock(request.request_id)
+
+    def release(self, request: DecodeRequest) -> None:
+        self.unlock_prefix(request)
 
     def can_backfill(self) -> bool:
         return self.drc is not None

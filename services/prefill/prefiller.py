@@ -5,6 +5,8 @@ itself, so the first output token always comes from the decoder that holds the K
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from shared.batch_engine import BatchEngine, Scoring
@@ -32,9 +34,9 @@ class Prefiller:
         self.engine = engine
         self.chunk_tokens = chunk_tokens
 
-    async def open(self, request_id: str, kv_tokens: int, cached_kv: torch.Tensor | None = None) -> None:
-        """Room for a prompt's KV, starting with the positions P's cache already had."""
-        await self.engine.open(request_id, [cached_kv] if cached_kv is not None else [], kv_tokens)
+    async def open(self, request_id: str, kv_tokens: int, cached_kv: Sequence[torch.Tensor] = ()) -> None:
+        """Room for a prompt's KV, starting with the positions P's cache already had (its pieces, in order)."""
+        await self.engine.open(request_id, cached_kv, kv_tokens)
 
     async def compute_chunk(self, request_id: str, token_ids: list[int],
                             chunk: tuple[int, int]) -> tuple[torch.Tensor, int, int]:

@@ -147,7 +147,7 @@ class PrefillService:
         hit = job.cached_tokens
         try:
             job.move(Phase.COMPUTING)
-            prefix_kv = await self.cache.call(self.cache.tree.gather, job.prefix) if hit else None
+            prefix_kv = await self.cache.call(self.cache.tree.pieces, job.prefix) if hit else []
             await self.prefiller.open(req.request_id, len(kv_ids), prefix_kv)
             computed: list[torch.Tensor] = []
             for chunk in chunk_ranges(len(kv_ids), self.config.chunk_tokens, start=hit):
@@ -277,9 +277,13 @@ class PrefillService:
                 computed: list[torch.Tensor] = []
                 if hit:
                     # the prefix stays locked until the computed rest is kept after it (finally releases it)
-                    prefix_kv = await self.cache.call(self.cache.tree.gather, job.prefix)
+                    # views of the cache's pieces: the engine's copy and the sends read them directly
+                    prefix_kv = await self.cache.call(self.cache.tree.pieces, job.prefix)
                     await self.prefiller.open(req.request_id, len(kv_ids), prefix_kv)
-                    await job.queue_kv((0, hit), prefix_kv)
+                    start = 0
+                    for piece in prefix_kv:
+                        await job.queue_kv((start, start + piece.shape[3]), piece)
+                        start += piece.shape[3]
                 else:
                     await self.prefiller.open(req.request_id, len(kv_ids))
                 for chunk in chunk_ranges(len(kv_ids), self.config.chunk_tokens, start=hit):

@@ -49,8 +49,11 @@ class RelayRole:
     async def hold_prefix(self, assign: DecodeAssign) -> int:
         return 0
 
-    async def assemble_kv(self, request: DecodeRequest, received: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return (received,)
+    async def prefix_kv(self, request: DecodeRequest) -> tuple[torch.Tensor, ...]:
+        return ()
+
+    def unlock_prefix(self, request: DecodeRequest) -> None:
+        pass
 
     async def settle(self, request: DecodeRequest, io: DecoderIO) -> None:
         pass
