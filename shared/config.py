@@ -318,20 +318,23 @@ class DecoderConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RelayConfig(DecoderConfig):
-    """Relay Decode (RLD): keeps no long-lived cache; decides when to hand off."""
+    """Relay Decode (RLD): decides when to hand off; keeps what it computed in its own prefix cache."""
 
     handoff: HandoffConfig = HandoffConfig()
+    cache: CacheConfig = CacheConfig()
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
         p = cls._parser(Role.RELAY, "Relay Decode (RLD)")
         add_flags(p, HandoffConfig)
+        add_flags(p, CacheConfig, help_prefix="RLD's prefix cache (P sends RLD only what it lacks)")
         return p
 
     @classmethod
     def from_argv(cls, argv: list[str] | None = None) -> RelayConfig:
         ns = cls.parser().parse_args(argv)
-        return from_flags(cls, ns, **cls._parts(ns, Role.RELAY), handoff=from_flags(HandoffConfig, ns))
+        return from_flags(cls, ns, **cls._parts(ns, Role.RELAY), handoff=from_flags(HandoffConfig, ns),
+                          cache=from_flags(CacheConfig, ns))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -389,7 +392,7 @@ class GatewayConfig:
     warm_prefill_tokens: int = flag(32, "every this many tokens of a running answer, P computes the answer so far "
                                         "into its prefix cache, so the session's next turn hits it there too "
                                         "(0: off)")
-    route_load_penalty_tokens: int = flag(256, "cache-aware MD routing: one running request costs as much as this "
+    route_load_penalty_tokens: int = flag(256, "cache-aware routing (P, RLD, MD): one running request costs as much as this "
                                                "many hit tokens")
     max_running_requests: int = flag(64, "requests in flight before new ones queue (0: no limit)")
     max_queued_requests: int = flag(256, "requests that wait, first come first served and each until its deadline, "

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from services.main.drc import DecodeCache
+from services.decoder.decode_cache import DecodeCache
 from shared.cache_worker import CacheWorker
 from shared.config import CacheConfig
 from shared.radix_cache import RadixCache

@@ -119,11 +119,11 @@ def test_every_variable_is_named_after_its_flag() -> None:
 def test_each_role_has_its_own_flags_and_no_dummy_fields() -> None:
     relay, main, prefill, gateway = (set(options(PARSERS[r]())) for r in ("relay", "main", "prefill", "gateway"))
     assert {"--handoff-mode", "--catch-up-threshold", "--catch-up-max-running"} <= relay - main
-    assert {"--cache-tokens", "--cache-bytes"} <= main - relay
-    assert {"--kv-host", "--kv-port", "--advertise-host", "--advertise-port", "--kv-budget-tokens"} <= relay & main
+    assert {"--kv-host", "--kv-port", "--advertise-host", "--advertise-port", "--kv-budget-tokens",
+            "--cache-tokens", "--cache-bytes"} <= relay & main  # RLD keeps its own prefix cache too
     assert {"--chunk-tokens", "--kv-wire-dtype", "--cache-tokens", "--max-batch-tokens"} <= prefill
     assert "--kv-budget-tokens" not in prefill and "--metrics-port" not in gateway
-    assert "cache" not in {f.name for f in dataclasses.fields(RelayConfig)}
+    assert not RelayConfig.from_argv(["--cache-tokens", "0"]).cache.enabled and RelayConfig.from_argv([]).cache.enabled
     assert "handoff" not in {f.name for f in dataclasses.fields(MainConfig)}
     main_config = MainConfig.from_argv(["--cache-tokens", "0", "--kv-host", "0.0.0.0", "--kv-port", "9200"])
     assert not main_config.cache.enabled and main_config.kv_port == 9200 and main_config.advertise_host != "0.0.0.0"

@@ -61,7 +61,8 @@ async def test_every_pipeline_matches_generate(stack, session, prompts, tiny_tok
             assert prefill["prefill_s"] > 0
         else:
             assert result.tiers[0] == "relay", "RLD has the KV first and must make the first token"
-            assert result.summary["kv"]["relay"]["kv_tokens"] == len(prompt_ids) - 1
+            relay_kv = result.summary["kv"]["relay"]  # RLD's cache may hold a prefix (the prompts share one)
+            assert relay_kv["cached_tokens"] + relay_kv["kv_tokens"] == len(prompt_ids) - 1
 
 
 @pytest.mark.parametrize("eager", [0, 1, 10, 50])

@@ -1,5 +1,6 @@
-"""P's prefix cache and MD's Decode-side RadixCache (DRC) on real processes with the tiny model:
-token-exact at every hit length, only the missing suffix's KV crosses to MD, nothing leaks."""
+"""P's prefix cache, MD's Decode-side RadixCache (DRC) and RLD's cache on real processes with the
+tiny model: token-exact at every hit length, only the missing suffix's KV crosses to MD (and to
+RLD), nothing leaks."""
 from __future__ import annotations
 
 import asyncio
@@ -95,6 +96,27 @@ async def test_multi_turn_session_sends_only_each_turns_new_tokens_to_main(stack
             assert kv["kv_bytes"] < (kv["kv_tokens"] + 8) * KV_BYTES_PER_TOKEN
         previous_len = len(history)
         history = history + result.token_ids + random_prompt(100 + turn, 30)  # answer + tool output
+
+
+async def test_multi_turn_session_sends_rld_only_what_it_lacks(stack, session, tiny_generate):
+    """RLD keeps the prompt and its eager tokens at the cut: the next turn's KV over P's local link
+    is the rest of the answer and the new tool output, not the whole context again."""
+    eager = 5
+    history = random_prompt(9, 200)
+    previous_len = 0
+    for turn in range(3):
+        result = await complete(session, stack, history, 12, pipeline="p-rld-md", handoff_at=eager)
+        assert result.token_ids == tiny_generate(history, 12)
+        assert result.tiers[:eager] == ["relay"] * eager and result.tiers[eager:] == ["main"] * (12 - eager)
+        kv = result.summary["kv"]["relay"]
+        if turn > 0:
+            # the last prompt token and the first eager - 1 tokens were fed on RLD: their KV is kept
+            assert kv["cached_tokens"] == previous_len + eager - 1
+            assert kv["kv_tokens"] == len(history) - 1 - kv["cached_tokens"]
+        else:
+            assert kv["cached_tokens"] == 0 and kv["kv_tokens"] == len(history) - 1
+        previous_len = len(history)
+        history = history + result.token_ids + random_prompt(300 + turn, 30)
 
 
 async def test_abort_storm_leaves_no_lock_inbox_or_transfer(stack, session):

@@ -2,7 +2,7 @@
 
 Taking over is extend-decode: MD feeds the last prompt token and RLD's eager token IDs in one
 forward pass, which rebuilds their KV, and samples the next token from its logits. Which tokens to
-feed when is services/main/takeover.py's; the DRC is services/main/drc.py's.
+feed when is services/main/takeover.py's; the DRC is services/decoder/decode_cache.py's.
 """
 from __future__ import annotations
 
@@ -10,28 +10,29 @@ import dataclasses
 import logging
 import time
 
-import torch
 from nats.aio.msg import Msg
 
+from services.decoder.decode_cache import CachingRole
 from services.decoder.request import DecodeRequest, Phase
 from services.decoder.role import DecoderIO
-from services.main.drc import DecodeCache
 from services.main.takeover import Move, Takeover
 from shared import messages, subjects
 from shared.config import CacheConfig
 from shared.errors import PddError
 from shared.kv_transfer import TransferState
-from shared.messages import Abort, CacheEvents, CutComing, DecodeAssign, Handoff, HandoffStats, KVReady
+from shared.messages import Abort, CutComing, Handoff, HandoffStats, KVReady
 from shared.names import AbortReason, Pipeline, Role
 
 log = logging.getLogger(__name__)
 
 
-class MainRole:
+class MainRole(CachingRole):
+    """MD's cache is the DRC: a finished request's KV is kept before its last token goes out."""
+
     role = Role.MAIN
 
     def __init__(self, cache: CacheConfig) -> None:
-        self.drc = DecodeCache(cache) if cache.enabled else None
+        super().__init__(cache)
 
     async def subscribe(self, io: DecoderIO) -> None:
         async def on_handoff(msg: Msg) -> None:
@@ -39,24 +40,8 @@ class MainRole:
 
         await io.subscribe(subjects.handoff(io.instance_id), on_handoff)
 
-    def stats(self) -> dict[str, float]:
-        return self.drc.gauges() if self.drc is not None else {}
-
-    async def hold_prefix(self, assign: DecodeAssign) -> int:
-        return await self.drc.lock(assign.request_id, assign.prompt_ids) if self.drc is not None else 0
-
-    async def prefix_kv(self, request: DecodeRequest) -> tuple[torch.Tensor, ...]:
-        return await self.drc.prefix(request.request_id) if self.drc is not None else ()
-
-    def unlock_prefix(self, request: DecodeRequest) -> None:
-        if self.drc is not None:
-            self.drc.unlock(request.request_id)
-
-    def release(self, request: DecodeRequest) -> None:
-        self.unlock_prefix(request)
-
     def can_backfill(self) -> bool:
-        return self.drc is not None
+        return self.cache is not None
 
     def keeps_after_abort(self, request: DecodeRequest, abort: Abort) -> bool:
         """RLD finished the request and P sends its KV anyway (a backfill): wait for it, keep it in
@@ -70,7 +55,7 @@ class MainRole:
 
     async def settle(self, request: DecodeRequest, io: DecoderIO) -> None:
         if request.phase is Phase.RELAY_FINISHED:  # a finished request was kept before its last token went out
-            await self._keep(request, io)
+            await self.keep(request, io)
 
     async def _on_handoff(self, io: DecoderIO, msg: Msg) -> None:
         try:
@@ -172,20 +157,5 @@ class MainRole:
     async def _publish_token(self, request: DecodeRequest, io: DecoderIO, finish_reason: str | None) -> None:
         if finish_reason is not None:
             # into the DRC before the client sees the end, so a session's next turn always finds it
-            await self._keep(request, io)
+            await self.keep(request, io)
         await io.publish_token(request, finish_reason)
-
-    async def _keep(self, request: DecodeRequest, io: DecoderIO) -> None:
-        """Keep the request's prompt and output KV in the DRC, so the session's next turn hits it."""
-        if self.drc is None:
-            return
-        seq = request.seq
-        cached = seq.kv.length
-        events = await self.drc.keep(request.request_id, (seq.prompt_ids + seq.output_ids)[:cached],
-                                     lambda start: io.export(request, start, cached))
-        if not events:
-            return
-        try:
-            await io.publish(subjects.cache_events(io.instance_id), CacheEvents(io.instance_id, events))
-        except Exception as exc:  # the index catches up from the next batch
-            log.warning("cache events not published: %s", exc)

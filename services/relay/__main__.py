@@ -10,7 +10,7 @@ from shared.service_runtime import serve
 
 def main() -> None:
     config = RelayConfig.from_argv()
-    serve(Role.RELAY, config.common, lambda: DecoderService(config, RelayRole(config.handoff)))
+    serve(Role.RELAY, config.common, lambda: DecoderService(config, RelayRole(config.handoff, config.cache)))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Relay Decode (RLD)'s role in the decoder shell: decode eagerly next to P, then hand the request to MD.
 
-RLD keeps no long-lived cache: a request's KV lives here only until the cut or the end. When to
-hand off is services/relay/handoff.py's to decide; this module moves the messages.
+RLD keeps what it computed of a request (the prompt, its eager tokens) in its own prefix cache
+once it has cut over or finished (services/decoder/decode_cache.py), so the session's next turn
+crosses P's local link as what RLD lacks, not as the whole context. When to hand off is
+services/relay/handoff.py's to decide; this module moves the messages.
 """
 from __future__ import annotations
 
@@ -9,25 +11,26 @@ import logging
 import time
 from dataclasses import dataclass
 
-import torch
 from nats.aio.msg import Msg
 
+from services.decoder.decode_cache import CachingRole
 from services.decoder.request import DecodeRequest, Phase
 from services.decoder.role import DecoderIO
 from services.relay.handoff import Decision, HandoffPlan, Step, choose_mode
 from shared import messages, subjects
-from shared.config import HandoffConfig
+from shared.config import CacheConfig, HandoffConfig
 from shared.errors import PddError, RequestAborted
-from shared.messages import Abort, CutComing, DecodeAssign, Handoff, KVReady, MainLost, RequestFailed
+from shared.messages import Abort, CutComing, Handoff, KVReady, MainLost, RequestFailed
 from shared.names import HandoffMode, Role
 
 log = logging.getLogger(__name__)
 
 
-class RelayRole:
+class RelayRole(CachingRole):
     role = Role.RELAY
 
-    def __init__(self, policy: HandoffConfig) -> None:
+    def __init__(self, policy: HandoffConfig, cache: CacheConfig = CacheConfig(tokens=0)) -> None:
+        super().__init__(cache)
         self.policy = policy
         self.finished_without_main = 0  # requests RLD finished alone because MD was lost (P-RLD, counted)
         self._stepping: dict[str, _RunningStep] = {}  # request id -> its step in flight, to announce a cut
@@ -44,22 +47,12 @@ class RelayRole:
         await io.subscribe(subjects.main_lost(io.instance_id), on_main_lost)
 
     def stats(self) -> dict[str, float]:
-        return {"finished_without_main": self.finished_without_main, "cuts_announced": self.cuts_announced}
-
-    async def hold_prefix(self, assign: DecodeAssign) -> int:
-        return 0
-
-    async def prefix_kv(self, request: DecodeRequest) -> tuple[torch.Tensor, ...]:
-        return ()
-
-    def unlock_prefix(self, request: DecodeRequest) -> None:
-        pass
+        return {**super().stats(), "finished_without_main": self.finished_without_main,
+                "cuts_announced": self.cuts_announced}
 
     async def settle(self, request: DecodeRequest, io: DecoderIO) -> None:
-        pass
-
-    def release(self, request: DecodeRequest) -> None:
-        pass
+        """Cut over or finished: keep the KV computed here for the session's next turn."""
+        await self.keep(request, io)
 
     def can_backfill(self) -> bool:
         return False

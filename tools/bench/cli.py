@@ -80,7 +80,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     g.add_argument("--dtype", default=s.dtype, choices=tuple(DTYPES))
     g.add_argument("--torch-threads", type=int, default=s.torch_threads, help="per model process; 0: launcher default")
     g.add_argument("--chunk-tokens", type=int, default=s.chunk_tokens)
-    g.add_argument("--cache-bytes", type=int, default=None, help="P's cache and MD's DRC capacity (default: services')")
+    g.add_argument("--cache-bytes", type=int, default=None, help="P's cache, RLD's and MD's DRC capacity (default: services')")
     g.add_argument("--startup-timeout-s", type=float, default=s.startup_timeout_s)
     g.add_argument("--cpus", dest="cpu_affinity", type=parse_cpu_affinity, action="append", default=[],
                    metavar="NAME[,NAME]=CORES", help="pin processes to cores in every mode, e.g. prefill=0 "

@@ -96,6 +96,7 @@ def stack_config(mode: Mode, cfg: BenchConfig, log_dir: Path) -> StackConfig:
     extra: dict[str, list[str]] = {role: list(flags) for role, flags in s.extra_args}
     cache_flags = ["--cache-bytes", str(s.cache_bytes)] if s.cache_bytes is not None else []
     extra.setdefault("prefill", []).extend(cache_flags)
+    extra.setdefault("relay", []).extend(cache_flags)
     extra.setdefault("main", []).extend(cache_flags if mode.drc else ["--cache-tokens", "0"])
     if pipeline_of(mode) == POLICY and cfg.slo.ttft_ms is not None and "--ttft-slo-ms" in _gateway_options():
         extra.setdefault("gateway", []).extend(["--ttft-slo-ms", str(cfg.slo.ttft_ms)])

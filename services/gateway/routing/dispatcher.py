@@ -252,7 +252,7 @@ class Dispatcher:
             return decision, {Role.PREFILL: prefill, Role.RELAY: relay}
         main, main_hit = chosen
         try:  # RLD's start is half of the prediction; none reachable: P-MD, or whatever the request names
-            relay: Instance | None = self.registry.pick(Role.RELAY, avoid=avoid)
+            relay: Instance | None = self._pick_cached(Role.RELAY, req.prompt_ids, avoid)[0]  # RLD caches too
         except PeerGone:
             relay = None
         decision = self._decide(req, prefill, prefill_hit, main, main_hit, relay)

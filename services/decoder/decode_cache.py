@@ -1,18 +1,27 @@
-"""MD's Decode-side RadixCache (DRC): the prompt prefixes MD already holds and the KV it keeps.
+"""A decoder's prefix cache: MD's Decode-side RadixCache (DRC), and RLD's own.
 
-A request's prefix is locked from its assignment until MD's engine has copied it (at once, while
-P computes and sends the rest); a finished request's KV is kept for the session's next turn. The changes become the
-events the gateway's cache index follows: `keep` returns them and the caller publishes them.
+The prompt prefixes a decoder already holds and the KV it keeps. A request's prefix is locked from
+its assignment until the engine has copied it (at once, while P computes and sends the rest); a
+finished request's KV (MD), or a handed-off one's (RLD: the prompt and its eager tokens), is kept
+for the session's next turn, so P sends that decoder only what it lacks. The changes become the
+events the gateway's cache index follows. `CachingRole` is what both roles share of it.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 
+from services.decoder.request import DecodeRequest
+from services.decoder.role import DecoderIO
+from shared import subjects
 from shared.cache_worker import CacheWorker
 from shared.config import CacheConfig
+from shared.messages import CacheEvents, DecodeAssign
 from shared.radix_cache import INDEX_BLOCK_TOKENS, CacheEvent, PrefixHandle, RadixCache
+
+log = logging.getLogger(__name__)
 
 
 class DecodeCache:
@@ -89,3 +98,42 @@ class DecodeCache:
         events = [event.to_dict() for event in self._events]
         self._events.clear()
         return events
+
+
+class CachingRole:
+    """The part of a decoder role that keeps a `DecodeCache` (none when its capacity is 0)."""
+
+    def __init__(self, cache: CacheConfig) -> None:
+        self.cache = DecodeCache(cache) if cache.enabled else None
+
+    def stats(self) -> dict[str, float]:
+        return self.cache.gauges() if self.cache is not None else {}
+
+    async def hold_prefix(self, assign: DecodeAssign) -> int:
+        return await self.cache.lock(assign.request_id, assign.prompt_ids) if self.cache is not None else 0
+
+    async def prefix_kv(self, request: DecodeRequest) -> tuple[torch.Tensor, ...]:
+        return await self.cache.prefix(request.request_id) if self.cache is not None else ()
+
+    def unlock_prefix(self, request: DecodeRequest) -> None:
+        if self.cache is not None:
+            self.cache.unlock(request.request_id)
+
+    def release(self, request: DecodeRequest) -> None:
+        self.unlock_prefix(request)
+
+    async def keep(self, request: DecodeRequest, io: DecoderIO) -> None:
+        """Keep the KV the engine holds of the request (its prompt, then the output tokens fed so
+        far) in the cache, and tell the gateway's index what changed."""
+        if self.cache is None:
+            return
+        seq = request.seq
+        cached = seq.kv.length
+        events = await self.cache.keep(request.request_id, (seq.prompt_ids + seq.output_ids)[:cached],
+                                       lambda start: io.export(request, start, cached))
+        if not events:
+            return
+        try:
+            await io.publish(subjects.cache_events(io.instance_id), CacheEvents(io.instance_id, events))
+        except Exception as exc:  # the index catches up from the next batch
+            log.warning("cache events not published: %s", exc)
