@@ -337,13 +337,34 @@ def test_p_is_asked_to_cache_a_running_answer_every_step_but_the_last() -> None:
     assert AnswerWarmer(step_tokens=0).on_tokens("r", 0, [1, 2, 3, 4], finished=False) is None
 
 
+def test_catch_up_streams_from_the_first_token_and_cuts_at_mds_first_report() -> None:
+    from services.relay.handoff import HandoffPlan, Step
+    from shared.config import HandoffConfig
+    from shared.names import HandoffMode
+
+    plan = HandoffPlan(HandoffMode.CATCH_UP, HandoffConfig().catch_up_threshold, handoff_at=None)
+    assert plan.next(0).step is Step.DECODE, "nothing to send before the first token"
+    for eager in range(1, 9):  # MD's KV still crossing: each token goes to MD as it is made
+        sent = plan.next(eager)
+        assert (sent.step, sent.start, sent.end) == (Step.SEND_CHUNK, eager - 1, eager)
+        assert plan.next(eager).step is Step.DECODE
+    assert plan.would_cut(9, adopted_tokens=0), "MD's first report while token 9 is made: the cut is announced"
+    plan.on_main_progress(0)  # MD's KV is in; MD holds all 8 streamed tokens in its queue
+    cut = plan.next(9)
+    assert (cut.step, cut.start, cut.end) == (Step.CUT, 8, 9), "no round of asking: the cut carries one token"
+    one_shot = HandoffPlan(HandoffMode.ONE_SHOT, HandoffConfig().catch_up_threshold, handoff_at=None)
+    assert one_shot.next(3).step is Step.DECODE, "One-Shot sends nothing before MD reports"
+    pinned = HandoffPlan(HandoffMode.CATCH_UP, HandoffConfig().catch_up_threshold, handoff_at=5)
+    assert pinned.next(3).step is Step.DECODE, "a pinned cut (tests) keeps its chunks as before"
+
+
 def test_a_handoff_after_a_handful_of_eager_tokens_still_catches_up() -> None:
     from services.relay.handoff import HandoffPlan, Step
     from shared.config import HandoffConfig
     from shared.names import HandoffMode
 
     plan = HandoffPlan(HandoffMode.CATCH_UP, HandoffConfig().catch_up_threshold, handoff_at=None)
-    plan.on_main_progress(0)  # MD's KV is in after 6 eager tokens
+    plan.on_main_progress(0)  # MD's KV is in after 6 eager tokens RLD has not streamed (say, a lost message)
     first = plan.next(6)
     assert (first.step, first.start, first.end) == (Step.SEND_CHUNK, 0, 6), "RLD keeps decoding while MD recomputes"
     streamed = plan.next(7)

@@ -4,12 +4,13 @@ RLD decodes eagerly from the moment it has the prompt KV. MD reports progress: f
 KV is complete (0 output tokens adopted), then, in Catch-Up, each time it has recomputed what RLD
 sent (`KVReady.adopted_tokens`).
 - One-Shot: at MD's first report RLD stops and sends every eager token ID at once (the cut).
-- Catch-Up: at MD's first report RLD sends the eager tokens so far as one chunk, then streams each
-  token it makes to MD as it makes it and keeps decoding; MD recomputes whatever has arrived, all
-  of it in one pass per step. Once MD reports holding that first chunk, it is a step or two behind
-  RLD, and RLD stops and sends the rest (the cut): MD's final pass then recomputes only the
-  tokens still in flight, not a whole round's worth. With fewer than `threshold` eager tokens at
-  MD's first report there is nothing to stream for, and RLD cuts at once.
+- Catch-Up: RLD streams each token to MD as it makes it, from the first one, while MD's KV is
+  still crossing (a few bytes a token); MD queues them, and once its KV is in it recomputes all
+  that has arrived in one pass per step. By MD's first report RLD has sent all but the token in
+  the making, so it cuts at once: MD's final pass recomputes only the tokens still in flight, and
+  the handoff costs no round of MD asking and RLD answering. Should MD report before RLD sent much
+  (fewer than `threshold` unsent eager tokens: cut at once), RLD sends the eager tokens so far as
+  one chunk and streams on, and cuts once MD reports holding that chunk.
 `handoff_at` is a test knob that pins the cut to exactly that many eager tokens: RLD decodes on
 until it has made them even if MD is ready earlier, and waits for MD if it gets there first.
 Once the gateway says MD is lost, RLD decodes to the end alone and hands nothing off.
@@ -68,8 +69,13 @@ class HandoffPlan:
 
     @property
     def streaming(self) -> bool:
-        """Catch-Up after its first chunk: each new token goes to MD as RLD makes it."""
+        """Catch-Up after a first chunk sent at MD's report: each new token goes to MD as RLD makes it."""
         return self._first_chunk > 0
+
+    @property
+    def streams_early(self) -> bool:
+        """Catch-Up (not pinned by handoff_at): tokens go to MD before it reports its KV."""
+        return self.mode is HandoffMode.CATCH_UP and self.handoff_at is None
 
     def on_main_lost(self) -> None:
         self.main_lost = True
@@ -83,8 +89,10 @@ class HandoffPlan:
             if self.would_cut(eager):
                 return self._act(Step.CUT, eager)
             return self._act(Step.SEND_CHUNK, eager) if eager > self.sent else Decision(Step.DECODE)
-        if not self._main_reported or (self.handoff_at is not None and self.mode is HandoffMode.ONE_SHOT):
-            return Decision(Step.DECODE)  # MD not ready yet (or One-Shot held by handoff_at)
+        if not self._main_reported:  # MD's KV is not in yet: stream to it meanwhile, or just decode
+            return self._act(Step.SEND_CHUNK, eager) if self.streams_early and eager > self.sent else Decision(Step.DECODE)
+        if self.handoff_at is not None and self.mode is HandoffMode.ONE_SHOT:
+            return Decision(Step.DECODE)  # One-Shot held by handoff_at
         if self.would_cut(eager):
             return self._act(Step.CUT, eager)
         self._first_chunk = eager
