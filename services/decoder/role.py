@@ -6,6 +6,8 @@ KV is in, and owns whatever only it keeps (MD's DRC, RLD's handoff counters).
 """
 from __future__ import annotations
 
+import asyncio
+
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -31,6 +33,10 @@ class DecoderIO(Protocol):
         """Requests this decoder holds, in any phase."""
 
     def find(self, request_id: str) -> DecodeRequest | None: ...
+
+    def assigning(self, request_id: str) -> asyncio.Queue | None:
+        """The peer-message queue of a request still being assigned here (its cached prefix being
+        looked up), for a peer's message that comes first; None otherwise."""
 
     async def subscribe(self, subject: str, handler: Callable[[Msg], Awaitable[None]]) -> None: ...
 

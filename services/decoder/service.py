@@ -66,6 +66,9 @@ class DecoderService:
                                    limits=config.kv_limits)
         self.tracer = tracing.tracer(f"pdd.{self.name}")
         self.requests: dict[str, DecodeRequest] = {}
+        # requests whose assignment awaits the cache's prefix lookup: a peer may already speak of them
+        # (MD with the whole prompt cached reports its KV in at once, maybe before RLD registered it)
+        self._assigning: dict[str, asyncio.Queue] = {}
         self._tasks: set[asyncio.Task] = set()
         self.metrics = decoder_metrics(self.name)
         self.metrics.track_load(lambda: len(self.requests), lambda: self.engine.queued)
@@ -117,10 +120,15 @@ class DecoderService:
         except PddError as exc:
             await bus.reply_error(msg, exc)
             return
-        cached = await self.role.hold_prefix(assign)
+        peer_messages: asyncio.Queue = asyncio.Queue()
+        self._assigning[assign.request_id] = peer_messages
+        try:
+            cached = await self.role.hold_prefix(assign)
+        finally:
+            del self._assigning[assign.request_id]
         self.metrics.cache_hit_tokens.inc(cached)
         inbox = self.receiver.expect(assign.request_id, cached, assign.kv_tokens)
-        request = DecodeRequest(assign, inbox, tracing.extract(msg.headers))
+        request = DecodeRequest(assign, inbox, tracing.extract(msg.headers), peer_messages=peer_messages)
         self.requests[assign.request_id] = request
         request.task = asyncio.create_task(self._serve(request), name=f"{self.name}-{assign.request_id}")
         await msg.respond(messages.encode(DecodeAccepted(
@@ -218,6 +226,9 @@ class DecoderService:
 
     def find(self, request_id: str) -> DecodeRequest | None:
         return self.requests.get(request_id)
+
+    def assigning(self, request_id: str) -> asyncio.Queue | None:
+        return self._assigning.get(request_id)
 
     async def subscribe(self, subject: str, handler: Callable[[Msg], Awaitable[None]]) -> None:
         await self.nc.subscribe(subject, cb=handler)

@@ -83,6 +83,9 @@ class RelayRole(CachingRole):
             return
         request = io.find(ready.request_id)
         if request is None:
+            early = io.assigning(ready.request_id)  # MD's KV was all cached there: it may report first
+            if early is not None:
+                early.put_nowait(ready)
             return
         request.peer_messages.put_nowait(ready)
         running = self._stepping.get(ready.request_id)
