@@ -188,8 +188,10 @@ class PrefillService:
         if job.span is not None:
             tracing.mark_aborted(job.span, abort.reason)
         for transfer in job.open_transfers():
-            self.aborted_transfers += 1
-            self.kv_bytes_saved_by_abort += job.unsent_kv_bytes(transfer, self.kv_bytes_per_token)
+            unsent = job.unsent_kv_bytes(transfer, self.kv_bytes_per_token)
+            if unsent:  # one whose bytes were all written (its decoder finishing) is not cut short
+                self.aborted_transfers += 1
+                self.kv_bytes_saved_by_abort += unsent
             transfer.abort(abort.reason)
         job.task.cancel()
 
