@@ -57,17 +57,12 @@ async def decode(engine: BatchEngine, seq: DecodeSequence, parts: list[torch.Ten
     """A decoder's life for one request: admission, (extend-)decode to the end, release."""
     try:
         await engine.open(seq.request_id, parts, seq.kv_tokens_needed, seq)
-        if started is not None:
-            started.set()
-        seq.output_ids.extend(eager_ids)
-        feed = [seq.prompt_ids[-1], *eager_ids]
-        while True:
-            token, finish_reason = await engine.step(seq, feed)
-            if finish_reason is not None:
-                return seq.output_ids
-            feed = [token]
-    finally:
+    except BaseException:
         engine.release(seq.request_id)
+        raise
+    if started is not None:
+        started.set()
+    return await decode_admitted(engine, seq, eager_ids)
 
 
 async def test_requests_joining_and_leaving_at_different_steps_match_generate(runner, prompts, tiny_generate):
@@ -107,9 +102,11 @@ async def test_a_request_admitted_with_its_prefix_takes_the_rest_by_fill(runner,
             await engine.fill("unknown", rest)
 
 
-async def decode_admitted(engine: BatchEngine, seq: DecodeSequence) -> list[int]:
+async def decode_admitted(engine: BatchEngine, seq: DecodeSequence, eager_ids: list[int] = ()) -> list[int]:
+    """An admitted request's (extend-)decode to the end, then its release."""
     try:
-        feed = [seq.prompt_ids[-1]]
+        seq.output_ids.extend(eager_ids)
+        feed = [seq.prompt_ids[-1], *eager_ids]
         while True:
             token, finish_reason = await engine.step(seq, feed)
             if finish_reason is not None:
