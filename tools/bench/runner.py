@@ -138,12 +138,25 @@ def stack_facts(mode: Mode, cfg: BenchConfig, stack_cfg: StackConfig) -> Json:
             "cpu_affinity": {name: list(cores) for name, cores in stack_cfg.cpu_affinity.items()}}
 
 
+# An idle pooled connection is closed by the client after this long, before any server closes it:
+# the gateway does at --header-timeout-s (10 s), uvicorn (vLLM) at 5 s. A request sent on a
+# connection the server is closing that very moment fails (ServerDisconnectedError: the first
+# request after a pause of about the server's keep-alive, as after a warm-up, was lost so once).
+CLIENT_KEEPALIVE_S = 1.0
+
+
+def client_session() -> aiohttp.ClientSession:
+    """The benchmark client's HTTP session: no total timeout (a request's own deadline governs)."""
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+                                 connector=aiohttp.TCPConnector(keepalive_timeout=CLIENT_KEEPALIVE_S))
+
+
 async def run_on_stack(stack: LocalStack, mode: Mode, workloads: list[Workload], cfg: BenchConfig,
                        on_result: Callable[[RunResult], None] = lambda r: None) -> list[RunResult]:
     """Replay each workload in turn against a running stack configured for `mode`."""
     bytes_per_token = _kv_bytes_per_token(stack, cfg.stack.dtype)
     results = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as session:
+    async with client_session() as session:
         for workload in workloads:
             result = await _run_workload(stack, session, mode, workload, cfg, bytes_per_token)
             result.stack = stack_facts(mode, cfg, stack.config)
@@ -195,7 +208,7 @@ async def run_target(target: Target, workloads: list[Workload], cfg: BenchConfig
     next turn cannot append an answer whose token ids the server did not return, so multi-turn
     workloads are not comparable against a target: use the synthetic one."""
     results = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as session:
+    async with client_session() as session:
         for workload in workloads:
             n = min(len(workload.requests), cfg.load.max_requests)
             bar = tqdm(total=n, desc=f"{target.name} {workload.name}", unit="req", disable=not cfg.load.progress)
