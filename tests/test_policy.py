@@ -358,6 +358,37 @@ def test_catch_up_streams_from_the_first_token_and_cuts_at_mds_first_report() ->
     assert pinned.next(3).step is Step.DECODE, "a pinned cut (tests) keeps its chunks as before"
 
 
+def test_mds_report_that_it_holds_streamed_tokens_cuts_whatever_the_threshold() -> None:
+    """MD reports once that it holds RLD's tokens and then only collects: RLD must cut at that report,
+    even with a threshold that the token in the making alone reaches."""
+    from services.relay.handoff import HandoffPlan, Step
+    from shared.names import HandoffMode
+
+    plan = HandoffPlan(HandoffMode.CATCH_UP, threshold=1, handoff_at=None)
+    for eager in range(1, 6):
+        assert plan.next(eager).step is Step.SEND_CHUNK
+    assert plan.would_cut(6, adopted_tokens=5), "announced while token 6 is made"
+    plan.on_main_progress(5)
+    cut = plan.next(6)
+    assert (cut.step, cut.start, cut.end) == (Step.CUT, 5, 6)
+
+
+def test_a_pinned_catch_up_cut_needs_md_ready_not_a_report_after_each_chunk() -> None:
+    """MD reports holding the first chunk once; RLD streams on and cuts at the pinned count without
+    waiting for another report (MD, collecting, sends none)."""
+    from services.relay.handoff import HandoffPlan, Step
+    from shared.names import HandoffMode
+
+    plan = HandoffPlan(HandoffMode.CATCH_UP, threshold=4, handoff_at=8)
+    plan.on_main_progress(0)
+    assert plan.next(3).step is Step.SEND_CHUNK and plan.main_ready
+    plan.on_main_progress(3)
+    for eager in range(4, 8):
+        assert plan.next(eager).step is Step.SEND_CHUNK
+    cut = plan.next(8)
+    assert (cut.step, cut.start, cut.end) == (Step.CUT, 7, 8)
+
+
 def test_a_handoff_after_a_handful_of_eager_tokens_still_catches_up() -> None:
     from services.relay.handoff import HandoffPlan, Step
     from shared.config import HandoffConfig

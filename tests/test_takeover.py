@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.main.takeover import Move, Takeover
+from services.main.takeover import Move, Pass, Takeover
 from shared.errors import ProtocolError
 from shared.messages import Handoff
 
@@ -80,3 +80,34 @@ def test_no_handoff_is_adopted_after_the_cut() -> None:
     takeover.adopt(handoff([10]))
     with pytest.raises(ProtocolError, match="after its takeover ended"):
         takeover.adopt(handoff([10, 11]))
+
+
+def test_catch_up_reports_holding_once_recomputes_on_then_collects_once_the_cut_is_announced() -> None:
+    """RLD streamed 4 tokens while MD's KV crossed: MD recomputes them and reports once (RLD cuts at
+    that report); a token streamed before the cut is announced is recomputed without a report, so the
+    cut's pass stays short; once announced, tokens wait for the cut's pass, which feeds them in order."""
+    takeover = Takeover(LAST_PROMPT_ID)
+    fed: list[int] = []
+    early = takeover.adopt(handoff([10, 11, 12, 13], final=False, mode="catch-up"))
+    assert takeover.catch_up_pass(cut_announced=False) is Pass.REPORT
+    fed += early.feed_ids
+    takeover.reported()
+    assert takeover.reported_holding
+    more = takeover.adopt(handoff([14], start=4, final=False, mode="catch-up"))
+    assert takeover.catch_up_pass(cut_announced=False) is Pass.RECOMPUTE, "no second report"
+    fed += more.feed_ids
+    collected = takeover.adopt(handoff([15], start=5, final=False, mode="catch-up"))
+    assert takeover.catch_up_pass(cut_announced=True) is Pass.COLLECT
+    cut = takeover.adopt(handoff([16], start=6, mode="catch-up"))
+    fed += collected.feed_ids + cut.feed_ids  # the cut's pass: the collected tokens, then the cut's
+    assert fed == [LAST_PROMPT_ID, 10, 11, 12, 13, 14, 15, 16], "every token fed once, in order"
+
+
+def test_a_report_of_holding_nothing_leaves_the_next_chunk_to_be_reported() -> None:
+    """MD's KV is in before RLD sent anything: KVReady(0); the chunk RLD answers with is recomputed and
+    reported (RLD cuts at that report, or at a pinned count), whatever was announced."""
+    takeover = Takeover(LAST_PROMPT_ID)
+    takeover.reported()
+    assert not takeover.reported_holding
+    takeover.adopt(handoff([10, 11, 12], final=False, mode="catch-up"))
+    assert takeover.catch_up_pass(cut_announced=True) is Pass.REPORT

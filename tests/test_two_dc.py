@@ -209,6 +209,23 @@ async def test_cross_datacenter_request_is_token_exact_and_its_kv_crosses_the_wa
         assert route_bytes(after, route, direction) > route_bytes(before, route, direction), route
 
 
+async def test_a_catch_up_streamed_from_rlds_first_token_over_the_wan_is_token_exact(
+        wan: LocalStack, session: aiohttp.ClientSession, tiny_generate: Generate) -> None:
+    """Catch-Up over a 20 ms link: RLD streams each token while MD's KV crosses; MD recomputes what
+    came, reports once, recomputes on until RLD announces its cut, then collects for the cut's pass
+    (services/main/takeover.py). Whichever of those the tokens went through, each is fed once, in
+    order: the answer is the reference's, RLD's part first."""
+    await wan.wan.set_link(bandwidth_mbps=20, delay_ms=20)
+    prompt = random_prompt(7, 200)
+    result = await complete(session, wan, prompt, 400, pipeline="p-rld-md", handoff_mode="catch-up")
+
+    assert result.token_ids == tiny_generate(prompt, 400)
+    assert result.handoff is not None and result.handoff["mode"] == "catch-up", result.handoff
+    assert result.handoff["chunks"] >= 3, "RLD streamed its tokens one by one"
+    cut = result.tiers.index("main")
+    assert result.tiers == ["relay"] * cut + ["main"] * (400 - cut)
+
+
 async def test_kv_transfer_takes_the_time_the_link_arithmetic_says(
         wan: LocalStack, session: aiohttp.ClientSession) -> None:
     measured: dict[tuple[float, float], tuple[float, float]] = {}

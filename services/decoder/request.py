@@ -76,6 +76,7 @@ class DecodeRequest:
     peer_messages: asyncio.Queue[PeerMessage] = field(default_factory=asyncio.Queue)  # for the role's decode
     task: asyncio.Task | None = None
     span: trace.Span | None = None  # `<role>.request`, for an abort to mark
+    cut_announced: bool = False  # MD: RLD said its cut is on the way (CutComing)
     backfill: bool = False  # MD: RLD finished it; MD only waits for its KV to keep it (not the gateway's any more)
 
     @property

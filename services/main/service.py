@@ -15,7 +15,7 @@ from nats.aio.msg import Msg
 from services.decoder.decode_cache import CachingRole
 from services.decoder.request import DecodeRequest, Phase
 from services.decoder.role import DecoderIO
-from services.main.takeover import Move, Takeover
+from services.main.takeover import Move, Pass, Takeover
 from shared import messages, subjects
 from shared.config import CacheConfig
 from shared.errors import PddError
@@ -68,6 +68,7 @@ class MainRole(CachingRole):
         if request is None:
             return
         if isinstance(handoff, CutComing):
+            request.cut_announced = True
             if request.seq is not None and request.seq.kv is not None:  # admitted: the engine can hold for it
                 io.expect(request, handoff.in_s)
             return
@@ -113,22 +114,24 @@ class MainRole(CachingRole):
         return Phase.FINISHED
 
     async def _take_over(self, request: DecodeRequest, io: DecoderIO) -> tuple[list[int], HandoffStats] | None:
-        """Adopt RLD's eager tokens chunk by chunk until the cut.
+        """Adopt RLD's eager tokens until the cut (what to do with each chunk: services/main/takeover.py).
 
-        Chunks that arrived while MD recomputed the last ones are adopted together, one pass for
-        all of them (in Catch-Up RLD streams a token per step), so MD never falls behind by queueing.
-        Returns the tokens still to feed (the cut's, after the last token whose KV MD holds) and the
-        handoff's stats; None if RLD finished the request itself.
+        Chunks that arrived meanwhile are adopted together, one pass for all of them (in Catch-Up
+        RLD streams a token per step), so MD never falls behind by queueing. Returns the tokens
+        still to feed (after the last token whose KV MD holds) and the handoff's stats; None if RLD
+        finished the request itself.
         """
         seq = request.seq
         kv_wait_s = time.monotonic() - request.assigned_at
         t0 = time.monotonic()
         takeover = Takeover(request.assign.prompt_ids[-1])
+        feed: list[int] = []  # adopted, not yet fed
         with io.tracer.start_as_current_span("main.handoff") as span:
-            await self._report_progress(request, io, 0)
+            if request.peer_messages.empty():  # else RLD streamed while the KV crossed: report after that pass
+                await self._report_progress(request, io, takeover)  # RLD answers with its tokens, or the cut
             while True:
                 handoff = await request.next_peer_message(f"RLD never handed off {request.request_id}")
-                first, feed = takeover.adopted, []
+                first = takeover.adopted
                 while True:
                     adoption = takeover.adopt(handoff)
                     if adoption.move is Move.RELAY_FINISHED:
@@ -141,18 +144,24 @@ class MainRole(CachingRole):
                     handoff = request.peer_messages.get_nowait()
                 if adoption.move is Move.CUT:
                     break
+                catch_up = takeover.catch_up_pass(request.cut_announced)
+                if catch_up is Pass.COLLECT:
+                    continue
                 with io.tracer.start_as_current_span("main.catch_up_chunk") as chunk_span:
                     chunk_span.set_attributes({"pdd.start": first, "pdd.tokens": takeover.adopted - first})
                     if feed:
                         await io.extend(request, feed)
-                await self._report_progress(request, io, takeover.adopted)
+                feed = []
+                if catch_up is Pass.REPORT:
+                    await self._report_progress(request, io, takeover)
             span.set_attributes({"pdd.eager_tokens": takeover.adopted, "pdd.handoff_mode": takeover.mode,
                                  "pdd.chunks": takeover.chunks})
         return feed, takeover.stats(request.request_id, kv_wait_s, time.monotonic() - t0)
 
-    async def _report_progress(self, request: DecodeRequest, io: DecoderIO, adopted_tokens: int) -> None:
+    async def _report_progress(self, request: DecodeRequest, io: DecoderIO, takeover: Takeover) -> None:
         await io.publish(subjects.kv_ready(request.assign.relay_instance),
-                         KVReady(request.request_id, adopted_tokens))
+                         KVReady(request.request_id, takeover.adopted))
+        takeover.reported()
 
     async def _publish_token(self, request: DecodeRequest, io: DecoderIO, finish_reason: str | None) -> None:
         if finish_reason is not None:

@@ -8,6 +8,12 @@ RLD sends Handoff messages (when is services/relay/handoff.py's to decide). For 
 - finished=True: RLD made the last token itself (RELAY_FINISHED); MD drops the request.
 Tokens MD already holds are skipped: the gateway's recovery handoff repeats all the client has.
 A handoff that starts past what MD holds leaves a gap: ProtocolError.
+
+What MD does with Catch-Up chunks before the cut is `Takeover.catch_up_pass`'s to say: recompute
+them and report holding them once (RLD cuts at that report), recompute on while the cut is not
+announced (so the cut's pass stays short: each token it feeds adds a pass over the context), and
+once RLD announces the cut (CutComing), only collect them for the cut's pass, so none of MD's
+passes is running when the cut arrives and its engine can hold a step for it.
 """
 from __future__ import annotations
 
@@ -22,6 +28,14 @@ class Move(enum.Enum):
     EXTEND = "extend"
     CUT = "cut"
     RELAY_FINISHED = "relay_finished"
+
+
+class Pass(enum.Enum):
+    """What MD does with the Catch-Up tokens it just adopted (their `feed_ids`)."""
+
+    REPORT = "report"  # recompute them, then report holding them (KVReady): RLD cuts at that report
+    RECOMPUTE = "recompute"  # recompute them, so the cut's pass has less to feed
+    COLLECT = "collect"  # keep them for the cut's pass: the cut is on its way
 
 
 @dataclass(frozen=True)
@@ -40,6 +54,7 @@ class Takeover:
         self.mode = ""  # the last adopted handoff's (one-shot, catch-up, or the gateway's recovery)
         self.ended = False
         self._unfed = [last_prompt_id]  # fed tokens lag one behind, so the cut always has logits
+        self.reported_holding = False  # MD told RLD it holds some of its tokens (it reports that once)
 
     def adopt(self, handoff: Handoff) -> Adoption:
         if self.ended:
@@ -60,6 +75,15 @@ class Takeover:
             return Adoption(Move.CUT, new_ids, unfed)
         self._unfed = unfed[-1:]
         return Adoption(Move.EXTEND, new_ids, unfed[:-1])
+
+    def catch_up_pass(self, cut_announced: bool) -> Pass:
+        if not self.reported_holding:
+            return Pass.REPORT
+        return Pass.COLLECT if cut_announced else Pass.RECOMPUTE
+
+    def reported(self) -> None:
+        """MD sent KVReady(adopted): a report of holding tokens when it held any."""
+        self.reported_holding = self.adopted > 0
 
     def stats(self, request_id: str, kv_wait_s: float, handoff_s: float) -> HandoffStats:
         """The handoff's stats for the gateway; extend_s is filled in after the extend-decode pass."""

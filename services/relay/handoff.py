@@ -1,16 +1,17 @@
 """When and how Relay Decode hands a request to Main Decode. Plain logic; no NATS, no model.
 
-RLD decodes eagerly from the moment it has the prompt KV. MD reports progress: first that its
-KV is complete (0 output tokens adopted), then, in Catch-Up, each time it has recomputed what RLD
-sent (`KVReady.adopted_tokens`).
+RLD decodes eagerly from the moment it has the prompt KV. MD reports progress (`KVReady`): that
+its KV is complete (0 output tokens adopted) when nothing of RLD's waits for it, and once that it
+has recomputed RLD's tokens (`adopted_tokens` > 0); after that report it only collects what RLD
+sends, for the cut's pass.
 - One-Shot: at MD's first report RLD stops and sends every eager token ID at once (the cut).
 - Catch-Up: RLD streams each token to MD as it makes it, from the first one, while MD's KV is
   still crossing (a few bytes a token); MD queues them, and once its KV is in it recomputes all
-  that has arrived in one pass per step. By MD's first report RLD has sent all but the token in
-  the making, so it cuts at once: MD's final pass recomputes only the tokens still in flight, and
-  the handoff costs no round of MD asking and RLD answering. Should MD report before RLD sent much
-  (fewer than `threshold` unsent eager tokens: cut at once), RLD sends the eager tokens so far as
-  one chunk and streams on, and cuts once MD reports holding that chunk.
+  that has arrived in one pass, then reports. RLD, having sent all but the token in the making,
+  cuts at that report: MD's final pass feeds only the tokens made since, and the handoff costs
+  no round of MD asking and RLD answering. Should MD report its KV before RLD sent anything, RLD
+  with fewer than `threshold` eager tokens cuts at once; with more, it sends them as one chunk
+  and streams on, and cuts once MD reports holding that chunk.
 `handoff_at` is a test knob that pins the cut to exactly that many eager tokens: RLD decodes on
 until it has made them even if MD is ready earlier, and waits for MD if it gets there first.
 Once the gateway says MD is lost, RLD decodes to the end alone and hands nothing off.
@@ -54,18 +55,20 @@ class HandoffPlan:
         self.sent = 0  # eager tokens already handed to MD
         self.rounds = 0  # handoff messages sent, the cut's included
         self._main_reported = False  # MD reported progress we have not acted on yet
+        self._main_ready = False  # MD has reported: its KV is in
         self._adopted = 0  # eager tokens MD last reported holding
         self._first_chunk = 0  # Catch-Up: where the first chunk ended, once it was sent (then RLD streams)
         self.main_lost = False  # RLD finishes alone
 
     def on_main_progress(self, adopted_tokens: int = 0) -> None:
         self._main_reported = True
+        self._main_ready = True
         self._adopted = max(self._adopted, adopted_tokens)
 
     @property
-    def main_reported(self) -> bool:
-        """MD reported progress RLD has not acted on yet (a pinned cut waits for its token count)."""
-        return self._main_reported
+    def main_ready(self) -> bool:
+        """MD has reported its KV in (a pinned cut then waits only for its token count)."""
+        return self._main_ready
 
     @property
     def streaming(self) -> bool:
@@ -84,7 +87,7 @@ class HandoffPlan:
         if self.main_lost:
             return Decision(Step.DECODE)
         if self.handoff_at is not None and eager >= self.handoff_at:
-            return self._act(Step.CUT, eager) if self._main_reported else Decision(Step.WAIT_FOR_MAIN)
+            return self._act(Step.CUT, eager) if self._main_ready else Decision(Step.WAIT_FOR_MAIN)
         if self.streaming:
             if self.would_cut(eager):
                 return self._act(Step.CUT, eager)
@@ -108,10 +111,12 @@ class HandoffPlan:
             return eager >= self.handoff_at
         if self.mode is HandoffMode.ONE_SHOT:
             return True
+        adopted = self._adopted if adopted_tokens is None else max(self._adopted, adopted_tokens)
         if self.streaming:
-            adopted = self._adopted if adopted_tokens is None else max(self._adopted, adopted_tokens)
             return adopted >= self._first_chunk
-        return eager - self.sent < self.threshold
+        # MD holding some means it recomputed what RLD streamed while its KV crossed, and it makes no
+        # further report: the cut carries whatever is unsent
+        return adopted > 0 or eager - self.sent < self.threshold
 
     def _act(self, step: Step, eager: int) -> Decision:
         decision = Decision(step, self.sent, eager)

@@ -131,7 +131,7 @@ class RelayRole(CachingRole):
                         break
                     continue
                 running = self._stepping[request.request_id] = _RunningStep(plan, time.monotonic(), step_s)
-                if plan.main_reported:  # a pinned cut (handoff_at) may end with this step
+                if plan.main_ready:  # a pinned cut (handoff_at) may end with this step
                     await self._announce_cut(request, io, running)
                 try:
                     finish_reason = await io.step(request, feed)
