@@ -2,8 +2,8 @@
 
 RLD decodes eagerly from the moment it has the prompt KV. MD reports progress (`KVReady`): that
 its KV is complete (0 output tokens adopted) when nothing of RLD's waits for it, and once that it
-has recomputed RLD's tokens (`adopted_tokens` > 0); after that report it only collects what RLD
-sends, for the cut's pass.
+has recomputed RLD's tokens (`adopted_tokens` > 0); it makes no report after that one, so RLD
+cuts at it (what MD does with the tokens still coming: services/main/takeover.py).
 - One-Shot: at MD's first report RLD stops and sends every eager token ID at once (the cut).
 - Catch-Up: RLD streams each token to MD as it makes it, from the first one, while MD's KV is
   still crossing (a few bytes a token); MD queues them, and once its KV is in it recomputes all
