@@ -40,16 +40,6 @@ inline Lanes16 load_lanes(const uint16_t* p) {  // bfloat16: the upper halves of
   return v;
 }
 
-// The lanes' sum, halves added onto each other in a fixed order (a compiler's own vectorised
-// reduction adds the 16 lanes one after another: a chain of 16 dependent adds per dot product)
-inline float sum_lanes(Lanes16 v) {
-  const Lanes8 half = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                      __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const Lanes4 quarter = __builtin_shufflevector(half, half, 0, 1, 2, 3) +
-                         __builtin_shufflevector(half, half, 4, 5, 6, 7);
-  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
-}
-
 // e^x for x <= 0 (a score minus the row's maximum): 2^n * p(r) with Cephes' polynomial, within
 // 2 ulp; written so the compiler vectorises it, where the math library's expf is a call per element.
 inline float exp_nonpositive(float x) {
@@ -69,28 +59,65 @@ inline float exp_nonpositive(float x) {
   return p * two_n;
 }
 
+// The lane sums of 16 vectors acc[p], one per position p, as one vector. Each is summed in a fixed
+// order, halves added onto each other (lane i + lane i+8, then i + i+4, then (0 + 2) + (1 + 3)), as
+// one vector's sum would be; shuffles of two vectors bring 16 positions' halves into line so that
+// one add serves them all (a compiler's own reduction adds a vector's lanes one after another:
+// a chain of 16 dependent adds per dot product).
+inline Lanes16 sum_lanes_of_16(const Lanes16* acc) {
+  Lanes16 halves[8];  // halves[m]: lanes 0-7 position 2m's halves, lanes 8-15 position 2m+1's
+  for (int m = 0; m < 8; ++m)
+    halves[m] = __builtin_shufflevector(acc[2 * m], acc[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
+                                        21, 22, 23) +
+                __builtin_shufflevector(acc[2 * m], acc[2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
+                                        28, 29, 30, 31);
+  Lanes16 quarters[4];  // quarters[m]: 4 lanes for each of positions 4m to 4m+3
+  for (int m = 0; m < 4; ++m)
+    quarters[m] = __builtin_shufflevector(halves[2 * m], halves[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                          19, 24, 25, 26, 27) +
+                  __builtin_shufflevector(halves[2 * m], halves[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
+                                          22, 23, 28, 29, 30, 31);
+  Lanes16 pairs[2];  // pairs[m]: lanes k < 8 quarter[0] + quarter[2] of position 8m+k, lanes 8+k quarter[1] + quarter[3]
+  for (int m = 0; m < 2; ++m)
+    pairs[m] = __builtin_shufflevector(quarters[2 * m], quarters[2 * m + 1], 0, 4, 8, 12, 16, 20, 24, 28, 1, 5,
+                                       9, 13, 17, 21, 25, 29) +
+               __builtin_shufflevector(quarters[2 * m], quarters[2 * m + 1], 2, 6, 10, 14, 18, 22, 26, 30, 3, 7,
+                                       11, 15, 19, 23, 27, 31);
+  return __builtin_shufflevector(pairs[0], pairs[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(pairs[0], pairs[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
 // The G query heads q [G, D] that share one KV head, over its L positions k, v [L, D]:
-// out[g] = softmax(q[g] . k^T * scale) v. scores is room for G * L floats.
+// out[g] = softmax(q[g] . k^T * scale) v. scores is room for G * round_up(L, 16) floats.
 template <int64_t D, typename KV>
 void attend_group(const float* q, const KV* k, const KV* v, int64_t L, int64_t G, float scale, float* scores,
                   float* out) {
   static_assert(D % 16 == 0, "head_dim a multiple of 16");
   constexpr int64_t C = D / 16;  // lane groups per head
+  const int64_t stride = (L + 15) / 16 * 16;  // each head's scores, room for a whole last block
   Lanes16 qg[kMaxGroup][C];
   for (int64_t g = 0; g < G; ++g)
     for (int64_t c = 0; c < C; ++c) qg[g][c] = load_lanes(q + g * D + c * 16);
-  for (int64_t j = 0; j < L; ++j) {  // scores: each position's K read once for the G heads
-    Lanes16 kj[C];
-    for (int64_t c = 0; c < C; ++c) kj[c] = load_lanes(k + j * D + c * 16);
+  for (int64_t j0 = 0; j0 < L; j0 += 16) {  // scores, 16 positions at a time: their K read once for the G heads
+    Lanes16 kb[16][C];
+    const int64_t n = L - j0 < 16 ? L - j0 : 16;
+    for (int64_t p = 0; p < n; ++p)
+      for (int64_t c = 0; c < C; ++c) kb[p][c] = load_lanes(k + (j0 + p) * D + c * 16);
+    for (int64_t p = n; p < 16; ++p)  // past the last position: scored as zeros and never read
+      for (int64_t c = 0; c < C; ++c) kb[p][c] = Lanes16{};
     for (int64_t g = 0; g < G; ++g) {
-      Lanes16 acc = qg[g][0] * kj[0];
-      for (int64_t c = 1; c < C; ++c) acc += qg[g][c] * kj[c];
-      scores[g * L + j] = sum_lanes(acc) * scale;
+      Lanes16 acc[16];
+      for (int64_t p = 0; p < 16; ++p) {
+        acc[p] = qg[g][0] * kb[p][0];
+        for (int64_t c = 1; c < C; ++c) acc[p] += qg[g][c] * kb[p][c];
+      }
+      const Lanes16 scored = sum_lanes_of_16(acc) * scale;
+      std::memcpy(scores + g * stride + j0, &scored, sizeof scored);
     }
   }
   float inverse_total[kMaxGroup];
   for (int64_t g = 0; g < G; ++g) {  // softmax, its division left to the end
-    float* sg = scores + g * L;
+    float* sg = scores + g * stride;
     float m = sg[0];
 #pragma omp simd reduction(max : m)
     for (int64_t j = 1; j < L; ++j) m = sg[j] > m ? sg[j] : m;
@@ -108,7 +135,7 @@ void attend_group(const float* q, const KV* k, const KV* v, int64_t L, int64_t G
     Lanes16 vj[C];
     for (int64_t c = 0; c < C; ++c) vj[c] = load_lanes(v + j * D + c * 16);
     for (int64_t g = 0; g < G; ++g) {
-      const float p = scores[g * L + j];
+      const float p = scores[g * stride + j];
       for (int64_t c = 0; c < C; ++c) acc[g][c] += p * vj[c];
     }
   }
@@ -130,11 +157,11 @@ void attend_rows(const at::Tensor& q, const std::vector<at::Tensor>& keys, const
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / kv_heads, h = item % kv_heads;
+      const int64_t h = item / rows, r = item % rows;  // a KV head's rows one after another
       const at::Tensor& k = keys[r];
       const at::Tensor& v = values[r];
       const int64_t length = k.size(-2);
-      scores.resize(group * length);
+      scores.resize(group * ((length + 15) / 16 * 16));
       const int64_t first = (r * heads + h * group) * D;
       if (bf16) {
         const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()) + h * k.stride(-3);
