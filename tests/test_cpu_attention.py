@@ -68,6 +68,22 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it_or_the_thread_count
         assert torch.equal(together[r], alone[r]), f"row {r}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_extends_tokens_each_get_what_they_get_alone(kernel, dtype) -> None:
+    """A row of several tokens (MD's extend of RLD's eager tokens) comes as consecutive views of one
+    KV buffer, each a position longer, between other requests' rows: each token's output is, bit for
+    bit, what it gets alone, the one-token decode step RLD made it in."""
+    generator = torch.Generator().manual_seed(7)
+    buffer = torch.randn(2, 3, 700, 64, generator=generator).to(dtype)
+    other = buffers([33], 3, 64, dtype)[0]
+    extend = [(buffer[0].narrow(1, 0, n), buffer[1].narrow(1, 0, n)) for n in range(600, 637)]
+    rows = [other, *extend, other, *extend[:5]]  # a run, a lone row, and a second run of the same request
+    q = torch.randn(len(rows), 9, 64, generator=generator)
+    together = kernel(q, [k for k, _ in rows], [v for _, v in rows], 0.125)
+    for r, (k, v) in enumerate(rows):
+        assert torch.equal(together[r], kernel(q[r:r + 1].clone(), [k], [v], 0.125)[0]), f"row {r}"
+
+
 def test_bfloat16_kv_gives_the_result_of_the_same_values_held_in_float32(kernel) -> None:
     k, v = buffers([50], 2, 32, torch.bfloat16)[0]
     q = torch.randn(1, 4, 32)
