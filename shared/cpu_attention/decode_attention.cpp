@@ -20,8 +20,6 @@ constexpr int64_t kMaxGroup = 16;  // query heads per KV head
 // 16 float32 lanes (GCC and Clang vector extensions: AVX-512 registers where the CPU has them,
 // pairs or quads of narrower ones where it does not)
 typedef float Lanes16 __attribute__((vector_size(64)));
-typedef float Lanes8 __attribute__((vector_size(32)));
-typedef float Lanes4 __attribute__((vector_size(16)));
 typedef uint16_t Bf16x16 __attribute__((vector_size(32)));
 typedef uint32_t U32x16 __attribute__((vector_size(64)));
 
