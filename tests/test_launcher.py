@@ -68,6 +68,19 @@ async def test_a_taken_port_is_refused_before_anything_starts(tmp_path: Path) ->
     assert stack.processes == {}
 
 
+def test_free_port_never_hands_out_a_port_twice(monkeypatch) -> None:
+    """A stack picks all its ports before any process binds one: two equal picks would leave the
+    second process unable to bind (it happened: nats-b's client port and MD's KV port). Picked
+    from a 1,000-port range, 400 picks would repeat one almost surely if nothing prevented it."""
+    from tools import stack_config
+
+    monkeypatch.setattr(stack_config, "_ephemeral_port_range",
+                        lambda: (stack_config.PICKED_PORTS_FROM + 1000, 60999))
+    picks = [stack_config.free_port() for _ in range(400)]
+    assert len(set(picks)) == len(picks)
+    assert all(stack_config.PICKED_PORTS_FROM <= p < stack_config.PICKED_PORTS_FROM + 1000 for p in picks)
+
+
 def test_pdd_up_takes_the_gateways_api_key_and_running_limit_as_flags(tmp_path: Path) -> None:
     from tools.cli import build_parser
 

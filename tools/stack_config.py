@@ -193,14 +193,20 @@ def merge_cpu_affinity(flags: Sequence[Mapping[str, tuple[int, ...]]]) -> dict[s
     return merged
 
 
+_handed_out: set[int] = set()  # the ports free_port has returned in this process
+
+
 def free_port(host: str = LOOPBACK) -> int:
     """A port free now, for a process started later to bind. It is picked below the kernel's
     ephemeral range, so no bind to port 0 and no outgoing connection can take it in between
-    (the WAN emulator binds its routes to port 0 while the nats-servers' ports wait)."""
+    (the WAN emulator binds its routes to port 0 while the nats-servers' ports wait), and never
+    one it returned before: a stack picks all its ports before anything binds them, and two equal
+    picks (nats-b's client port and MD's KV port, once) leave the second process unable to bind."""
     low, _ = _ephemeral_port_range()
     candidates = range(PICKED_PORTS_FROM, low) if low - PICKED_PORTS_FROM >= 1000 else range(0)
     for port in secrets.SystemRandom().sample(candidates, min(64, len(candidates))):
-        if port_is_free(host, port):
+        if port not in _handed_out and port_is_free(host, port):
+            _handed_out.add(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below the range: any port
         s.bind((host, 0))
