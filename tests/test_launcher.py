@@ -81,6 +81,15 @@ def test_free_port_never_hands_out_a_port_twice(monkeypatch) -> None:
     assert all(stack_config.PICKED_PORTS_FROM <= p < stack_config.PICKED_PORTS_FROM + 1000 for p in picks)
 
 
+def test_free_port_never_hands_out_a_port_twice_when_the_kernel_picks_it(monkeypatch) -> None:
+    """No room below the ephemeral range: the kernel's picks are checked against earlier ones too."""
+    from tools import stack_config
+
+    monkeypatch.setattr(stack_config, "_ephemeral_port_range", lambda: (stack_config.PICKED_PORTS_FROM, 60999))
+    picks = [stack_config.free_port() for _ in range(50)]
+    assert len(set(picks)) == len(picks)
+
+
 def test_pdd_up_takes_the_gateways_api_key_and_running_limit_as_flags(tmp_path: Path) -> None:
     from tools.cli import build_parser
 

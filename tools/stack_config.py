@@ -208,9 +208,14 @@ def free_port(host: str = LOOPBACK) -> int:
         if port not in _handed_out and port_is_free(host, port):
             _handed_out.add(port)
             return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below the range: any port
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    for _ in range(64):  # no room below the range: any port the kernel gives, but not one handed out
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise OSError(f"no free port on {host} that was not handed out already")
 
 
 def _ephemeral_port_range() -> tuple[int, int]:
