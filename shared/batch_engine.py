@@ -59,6 +59,7 @@ class _Work:
     return_kv: bool
     future: asyncio.Future
     fed: int = 0  # tokens of feed_ids already in the KV (work split across steps)
+    unfeed: int = 0  # newest KV positions to drop when the work is first scheduled (then 0)
     submitted_ns: int = 0
     started_ns: int = 0  # when its first forward began
     score: Scoring | None = None
@@ -96,6 +97,20 @@ def _settle(future: asyncio.Future, result: object = None, exc: BaseException | 
         future.set_exception(exc)
     else:
         future.set_result(result)
+
+
+def _follow(source: asyncio.Future, target: asyncio.Future) -> None:
+    """From the engine thread: settle `target` (a feed-only work's, result None) as `source` settles."""
+    def settle_target(done: asyncio.Future) -> None:
+        if done.cancelled():
+            _settle(target, cancel=True)
+        else:
+            _settle(target, exc=done.exception())
+
+    try:  # registered before source's own settling, which also goes through call_soon_threadsafe
+        source.get_loop().call_soon_threadsafe(source.add_done_callback, settle_target)
+    except RuntimeError:  # its loop is closed: nobody is waiting any more
+        pass
 
 
 def _notify(future: asyncio.Future, result: object = None, exc: BaseException | None = None,
@@ -201,31 +216,36 @@ class BatchEngine:
         return await future
 
     def submit(self, key: str, feed_ids: list[int], sample: bool, return_kv: bool = False,
-               score: Scoring | None = None) -> asyncio.Future:
+               score: Scoring | None = None, unfeed: int = 0) -> asyncio.Future:
         """Feed tokens to an admitted request's KV in the next steps.
+
+        `unfeed`: first drop the KV of the request's newest `unfeed` positions, in the step that
+        feeds (MD's cut that brings nothing new: it feeds its newest token again for its logits).
 
         The future's result: (token, finish_reason) when `sample` (the token's logprobs, if asked for,
         are on the DecodeSequence: last_logprob), the fed positions' KV
         [layers, 2, kv_heads, len(feed_ids), head_dim] on the CPU when `return_kv`, else None; with
         `score` (never beside `sample`), that and the fed positions' TokenLogprobs, as a pair.
         """
-        return self._submit(key, feed_ids, sample, return_kv, score).future
+        return self._submit(key, feed_ids, sample, return_kv, score, unfeed).future
 
     async def submit_timed(self, key: str, feed_ids: list[int], sample: bool, return_kv: bool = False,
-                           score: Scoring | None = None) -> tuple[object, int, int]:
+                           score: Scoring | None = None, unfeed: int = 0) -> tuple[object, int, int]:
         """As submit: the result, and when it was submitted and its first forward began (time.time_ns)."""
-        work = self._submit(key, feed_ids, sample, return_kv, score)
+        work = self._submit(key, feed_ids, sample, return_kv, score, unfeed)
         result = await work.future
         return result, work.submitted_ns, work.started_ns
 
     def _submit(self, key: str, feed_ids: list[int], sample: bool, return_kv: bool,
-                score: Scoring | None = None) -> _Work:
+                score: Scoring | None = None, unfeed: int = 0) -> _Work:
         if not feed_ids:
             raise ValueError("nothing to feed")
         if score is not None and (sample or len(score.next_ids) != len(feed_ids)):
             raise ValueError("scoring needs one next token per fed token, and no sampling")
+        if unfeed < 0:
+            raise ValueError(f"cannot unfeed {unfeed} positions")
         work = _Work(key, list(feed_ids), sample, return_kv, asyncio.get_running_loop().create_future(),
-                     submitted_ns=time.time_ns(), score=score)
+                     submitted_ns=time.time_ns(), score=score, unfeed=unfeed)
         with self._cond:
             self._check_alive()
             self._incoming.append(work)
@@ -242,10 +262,11 @@ class BatchEngine:
             await self.submit(key, feed_ids, sample=False)
 
     def expect(self, key: str, in_s: float) -> None:
-        """Announce that an admitted request's next work arrives in about `in_s` seconds (MD: RLD's
-        cut is on its way). If the engine is ready to step before then, it holds the step for that
-        work, at most `hold_steps` of a step, so the work joins this step instead of waiting for the
-        next; the others' next token comes that much later, once."""
+        """Announce that an admitted request's next sampling work arrives in about `in_s` seconds (MD:
+        RLD's cut is on its way). If the engine is ready to step before then, it holds the step for
+        that work, at most `hold_steps` of a step, so the work joins this step instead of waiting for
+        the next (feed-only work of the request already queued waits with it, and joins it in one
+        row); the others' next token comes that much later, once."""
         due = time.monotonic() + max(0.0, in_s)
 
         def announce() -> None:
@@ -372,7 +393,7 @@ class BatchEngine:
             if have_work and not missing and hold_until is None:
                 if held_since is not None:
                     self.holds += 1
-                    self.holds_met += bool(held_for & {w.key for w in self._work})
+                    self.holds_met += bool(held_for & {w.key for w in self._work if w.sample})
                 return True
             if hold_until is not None and held_since is None:
                 held_since, held_for = now, set(self._due)
@@ -390,7 +411,7 @@ class BatchEngine:
         ready, is not begun for work due later than that, and ends when the work arrives or its
         grace is over; work that missed its hold joins a later step without another hold and counts
         in `announced_late`."""
-        arrived = {w.key for w in self._work}
+        arrived = {w.key for w in self._work if w.sample}  # the announced work samples (MD's cut)
         for key in [k for k in self._due if k in arrived or k not in self._slots]:
             del self._due[key]  # it came (or the request is gone): nothing left to hold for
         limit = self.config.hold_steps * self._step_s
@@ -490,20 +511,53 @@ class BatchEngine:
                 work.fed = len(work.feed_ids)  # done with: dropped below
                 _notify(work.future, exc=KVPreempted(f"{work.key} was preempted") if work.key in self._preempted
                         else NotAdmitted(f"{work.key} holds no KV here"))
-        self._work = [w for w in self._work if w.left and not w.future.cancelled()]
+        self._work = self._coalesced([w for w in self._work if w.left and not w.future.cancelled()])
         budget = self.config.max_batch_tokens
         batch: list[tuple[_Work, int]] = []
-        keys: set[str] = set()
-        for work in sorted(self._work, key=lambda w: w.left > 1):
+        firsts: dict[str, _Work] = {}  # one row per request, its oldest work: the next waits for the next step
+        for work in self._work:
+            firsts.setdefault(work.key, work)
+        for work in sorted(firsts.values(), key=lambda w: w.left > 1):
             if budget == 0:
                 break
-            if work.key in keys:  # one row per request: its next work waits for the next step
+            if work.unfeed and not self._unfeed(work):
                 continue
             take = min(work.left, budget)
             batch.append((work, take))
-            keys.add(work.key)
             budget -= take
         return batch
+
+    @staticmethod
+    def _coalesced(works: list[_Work]) -> list[_Work]:
+        """Queued work, where a request's work that only feeds (no sampling, scoring or KV returned)
+        is joined by its next work: one row, one step (MD's Catch-Up pass still queued when the cut's
+        pass comes). The joined work's future settles with the one that carries its tokens."""
+        last: dict[str, _Work] = {}
+        kept: list[_Work] = []
+        for work in works:
+            prev = last.get(work.key)
+            if (prev is not None and not (prev.sample or prev.return_kv or prev.score) and prev.unfeed == 0
+                    and not (work.return_kv or work.score) and work.fed == 0 and work.unfeed <= prev.left):
+                # "drop the newest u positions, then feed" after tokens not yet fed: drop those tokens
+                work.feed_ids = prev.feed_ids[prev.fed:len(prev.feed_ids) - work.unfeed] + work.feed_ids
+                work.unfeed = 0
+                _follow(work.future, prev.future)
+                kept.remove(prev)
+            kept.append(work)
+            last[work.key] = work
+        return kept
+
+    def _unfeed(self, work: _Work) -> bool:
+        """Drop the KV of the work's request's newest `work.unfeed` positions; False (the work failed)
+        if it holds fewer."""
+        kv = self._slots[work.key].kv
+        if work.unfeed > kv.length:
+            work.fed = len(work.feed_ids)  # done with: dropped after the step
+            _notify(work.future, exc=ValueError(f"{work.key} holds {kv.length} positions, cannot unfeed {work.unfeed}"))
+            return False
+        kv.length -= work.unfeed
+        work.unfeed = 0
+        return True
 
     def _run(self, batch: list[tuple[_Work, int]]) -> None:
         """One packed forward over the batch; then sample, and settle the work that is complete."""

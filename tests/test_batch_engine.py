@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from contextlib import contextmanager
 
 import pytest
@@ -162,6 +163,117 @@ async def test_catch_up_chunks_extend_the_kv_without_sampling(runner, prompts, t
             engine.release(seq.request_id)
         assert seq.output_ids == expected
         assert await background == tiny_generate(prompts[5], max_tokens)
+
+
+async def test_a_token_fed_again_after_unfeeding_its_kv_gives_the_same_continuation(runner, prompts, tiny_generate):
+    """MD's Catch-Up passes feed every token they adopt; a cut that brings nothing new drops the
+    newest token's KV and feeds it again in the step that samples: the continuation is unchanged."""
+    prompt_ids, max_tokens = prompts[3], 24
+    expected = tiny_generate(prompt_ids, max_tokens)
+    with engine_with(runner) as engine:
+        seq = sequence(runner, "refeed", prompt_ids, max_tokens)
+        other = sequence(runner, "other", prompts[5], max_tokens)
+        background = asyncio.create_task(decode(engine, other, prompt_kv(runner, prompts[5])))
+        try:
+            kv = await engine.open(seq.request_id, prompt_kv(runner, prompt_ids), seq.kv_tokens_needed, seq)
+            seq.output_ids.extend(expected[:7])
+            await engine.extend(seq.request_id, [prompt_ids[-1]] + expected[:7])
+            assert kv.length == len(prompt_ids) + 7
+            token, finish_reason = await engine.submit(seq.request_id, [expected[6]], sample=True, unfeed=1)
+            assert kv.length == len(prompt_ids) + 7
+            while finish_reason is None:
+                token, finish_reason = await engine.step(seq, [token])
+        finally:
+            engine.release(seq.request_id)
+        assert seq.output_ids == expected
+        assert await background == tiny_generate(prompts[5], max_tokens)
+
+
+async def test_unfeeding_more_than_the_kv_holds_fails_that_work_only(runner, prompts, tiny_generate):
+    prompt_ids = prompts[0]
+    with engine_with(runner) as engine:
+        seq = sequence(runner, "short", prompt_ids, 4)
+        kv = await engine.open(seq.request_id, prompt_kv(runner, prompt_ids), seq.kv_tokens_needed, seq)
+        try:
+            with pytest.raises(ValueError, match="cannot unfeed 5"):
+                await engine.submit(seq.request_id, [prompt_ids[-1]], sample=True, unfeed=5)
+            assert kv.length == len(prompt_ids) - 1, "the KV is as it was"
+            with pytest.raises(ValueError, match="cannot unfeed -1"):
+                engine.submit(seq.request_id, [prompt_ids[-1]], sample=True, unfeed=-1)
+            token, _ = await engine.step(seq, [prompt_ids[-1]])
+            assert token == tiny_generate(prompt_ids, 4)[0]
+        finally:
+            engine.release(seq.request_id)
+
+
+@contextmanager
+def engine_paused(engine: BatchEngine):
+    """Hold the engine thread between steps (a command that blocks), so work queues up meanwhile."""
+    gate = threading.Event()
+    paused = asyncio.ensure_future(engine.run(gate.wait, 10))
+    try:
+        yield
+    finally:
+        gate.set()
+        paused.cancel()
+
+
+@pytest.mark.parametrize("cut_brings_a_token", [True, False])
+async def test_a_requests_queued_feed_only_work_joins_its_next_work_in_one_row(runner, prompts, tiny_generate,
+                                                                             cut_brings_a_token):
+    """MD's Catch-Up passes still queued when the cut's pass comes run with it, as one row in one
+    step, and each future settles. A cut that brings nothing new drops its newest token's KV and
+    feeds it again: joined to a queued pass that feeds that token, the token is fed once. The
+    continuation is token-exact."""
+    prompt_ids, max_tokens = prompts[3], 16
+    expected = tiny_generate(prompt_ids, max_tokens)
+    with engine_with(runner) as engine:
+        seq = sequence(runner, "joined", prompt_ids, max_tokens)
+        kv = await engine.open("joined", prompt_kv(runner, prompt_ids), seq.kv_tokens_needed, seq)
+        try:
+            seq.output_ids.extend(expected[:6])
+            with engine_paused(engine):
+                await asyncio.sleep(0.05)
+                passes = [engine.submit("joined", [prompt_ids[-1]] + expected[:3], sample=False),
+                          engine.submit("joined", expected[3:6], sample=False)]
+                if cut_brings_a_token:
+                    seq.output_ids.append(expected[6])
+                    cut = engine.submit("joined", [expected[6]], sample=True)
+                else:
+                    cut = engine.submit("joined", [expected[5]], sample=True, unfeed=1)
+                steps = engine.steps
+            token, finish_reason = await cut
+            assert [await p for p in passes] == [None, None]
+            assert engine.steps == steps + 1, "one step for the three"
+            assert kv.length == len(prompt_ids) + len(seq.output_ids) - 1
+            while finish_reason is None:
+                token, finish_reason = await engine.step(seq, [token])
+        finally:
+            engine.release("joined")
+        assert seq.output_ids == expected
+
+
+async def test_a_requests_work_runs_in_order_even_when_it_cannot_be_joined(runner, prompts, tiny_generate):
+    """Work that returns its KV is not joined; the request's next (a one-token decode, which the
+    scheduler favours) still waits for it."""
+    prompt_ids, max_tokens = prompts[5], 10
+    expected = tiny_generate(prompt_ids, max_tokens)
+    with engine_with(runner) as engine:
+        seq = sequence(runner, "ordered", prompt_ids, max_tokens)
+        await engine.open("ordered", prompt_kv(runner, prompt_ids), seq.kv_tokens_needed, seq)
+        try:
+            seq.output_ids.extend(expected[:4])
+            with engine_paused(engine):
+                await asyncio.sleep(0.05)
+                kv_future = engine.submit("ordered", [prompt_ids[-1]] + expected[:3], sample=False, return_kv=True)
+                step = engine.submit("ordered", [expected[3]], sample=True)
+            token, finish_reason = await step
+            assert (await kv_future).shape[3] == 4
+            while finish_reason is None:
+                token, finish_reason = await engine.step(seq, [token])
+        finally:
+            engine.release("ordered")
+        assert seq.output_ids == expected
 
 
 async def test_full_kv_budget_makes_new_requests_wait_then_run(runner, prompts, tiny_generate):
@@ -460,6 +572,32 @@ async def test_a_step_is_held_for_work_announced_within_reach(runner, prompts):
             steps = engine.steps
             await asyncio.sleep(0.1)
             assert engine.steps > steps and engine.holds == 0
+        finally:
+            decoding.cancel()
+            await asyncio.gather(decoding, return_exceptions=True)
+            engine.release("cut")
+
+
+async def test_a_hold_for_an_announced_cut_is_not_ended_by_feed_only_work_of_the_same_request(runner, prompts):
+    """MD queued a Catch-Up pass before RLD announced the cut: the held step waits for the cut's
+    pass (which samples), and the queued pass joins it in one row."""
+    with engine_with(runner, hold_steps=1e6) as engine:
+        busy = sequence(runner, "busy", prompts[3], 10_000)
+        cut = sequence(runner, "cut", prompts[1], 4)
+        await engine.open("cut", prompt_kv(runner, prompts[1]), cut.kv_tokens_needed, cut)
+        decoding = asyncio.create_task(decode(engine, busy, prompt_kv(runner, prompts[3])))
+        try:
+            await wait_for_steps(engine, 5)
+            engine.expect("cut", 0.5)
+            await asyncio.sleep(0.05)
+            queued = engine.submit("cut", [cut.prompt_ids[-1], 5, 6], sample=False)
+            held_at = engine.steps
+            await asyncio.sleep(0.1)
+            assert engine.steps == held_at and not queued.done(), "still held: the pass only feeds"
+            cut.output_ids += [5, 6]
+            await engine.submit("cut", [6], sample=True, unfeed=1)
+            assert await queued is None
+            assert engine.steps == held_at + 1 and (engine.holds, engine.holds_met) == (1, 1)
         finally:
             decoding.cancel()
             await asyncio.gather(decoding, return_exceptions=True)

@@ -45,14 +45,17 @@ class DecoderIO(Protocol):
     async def forward(self, request: DecodeRequest, feed_ids: list[int]) -> str | None:
         """Feed tokens and sample the next one into request.seq.output_ids; the finish reason, if it ends."""
 
-    async def forward_timed(self, request: DecodeRequest, feed_ids: list[int]) -> tuple[str | None, float]:
-        """`forward`, and how long the work waited for the engine to start its step (seconds)."""
+    async def forward_timed(self, request: DecodeRequest, feed_ids: list[int],
+                            unfeed: int = 0) -> tuple[str | None, float]:
+        """`forward` (first dropping the KV of the newest `unfeed` positions, in the same step), and how
+        long the work waited for the engine to start its step (seconds)."""
 
     async def step(self, request: DecodeRequest, feed_ids: list[int]) -> str | None:
         """`forward`, then `publish_token`."""
 
-    async def extend(self, request: DecodeRequest, feed_ids: list[int]) -> None:
-        """Feed tokens without sampling (MD adopting a Catch-Up chunk)."""
+    def extend(self, request: DecodeRequest, feed_ids: list[int]) -> asyncio.Future:
+        """Queue tokens to feed without sampling (MD adopting a Catch-Up chunk), in order with the
+        request's later work; the future settles (None) once they are in the KV."""
 
     async def export(self, request: DecodeRequest, start: int, end: int) -> torch.Tensor:
         """A copy of positions [start, end) of the request's KV."""

@@ -240,9 +240,10 @@ class DecoderService:
         _, finish_reason = await self.engine.step(request.seq, feed_ids)
         return finish_reason
 
-    async def forward_timed(self, request: DecodeRequest, feed_ids: list[int]) -> tuple[str | None, float]:
+    async def forward_timed(self, request: DecodeRequest, feed_ids: list[int],
+                            unfeed: int = 0) -> tuple[str | None, float]:
         (_, finish_reason), submitted_ns, started_ns = await self.engine.submit_timed(
-            request.request_id, feed_ids, sample=True)
+            request.request_id, feed_ids, sample=True, unfeed=unfeed)
         return finish_reason, (started_ns - submitted_ns) / 1e9
 
     async def step(self, request: DecodeRequest, feed_ids: list[int]) -> str | None:
@@ -250,8 +251,8 @@ class DecoderService:
         await self.publish_token(request, finish_reason)
         return finish_reason
 
-    async def extend(self, request: DecodeRequest, feed_ids: list[int]) -> None:
-        await self.engine.extend(request.request_id, feed_ids)
+    def extend(self, request: DecodeRequest, feed_ids: list[int]) -> asyncio.Future:
+        return self.engine.submit(request.request_id, feed_ids, sample=False)
 
     async def export(self, request: DecodeRequest, start: int, end: int) -> torch.Tensor:
         return await self.engine.export(request.request_id, start, end)

@@ -6,16 +6,19 @@ feed when is services/main/takeover.py's; the DRC is services/decoder/decode_cac
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
+
+from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 
 from services.decoder.decode_cache import CachingRole
 from services.decoder.request import DecodeRequest, Phase
 from services.decoder.role import DecoderIO
-from services.main.takeover import Move, Pass, Takeover
+from services.main.takeover import Adoption, Move, Pass, Takeover
 from shared import messages, subjects
 from shared.config import CacheConfig
 from shared.errors import PddError
@@ -24,6 +27,22 @@ from shared.messages import Abort, CutComing, Handoff, HandoffStats, KVReady
 from shared.names import AbortReason, Pipeline, Role
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """What the takeover hands to MD's decoding: the cut, the Catch-Up passes not yet done, the stats."""
+
+    adoption: Adoption
+    queued: list[asyncio.Future]
+    stats: HandoffStats
+
+
+async def _settled(queued: list[asyncio.Future]) -> None:
+    """Wait for the queued passes (in order: the engine runs a request's work in order); empties the list."""
+    futures = list(queued)
+    queued.clear()
+    await asyncio.gather(*futures)
 
 
 class MainRole(CachingRole):
@@ -83,12 +102,14 @@ class MainRole(CachingRole):
     async def decode(self, request: DecodeRequest, io: DecoderIO) -> Phase:
         assign, seq = request.assign, request.seq
         feed = [assign.prompt_ids[-1]]
+        unfeed = 0
+        queued: list[asyncio.Future] = []  # the takeover's Catch-Up passes still running or queued
         stats: HandoffStats | None = None
         if assign.pipeline == Pipeline.P_RLD_MD:
             taken = await self._take_over(request, io)
             if taken is None:
                 return Phase.RELAY_FINISHED
-            feed, stats = taken
+            feed, unfeed, queued, stats = taken.adoption.feed_ids, taken.adoption.unfeed, taken.queued, taken.stats
         with io.tracer.start_as_current_span("main.decode") as span:
             first = len(seq.output_ids)
             span.set_attribute("pdd.first_index", first)
@@ -96,7 +117,8 @@ class MainRole(CachingRole):
             if stats is not None:
                 with io.tracer.start_as_current_span("main.extend_decode") as extend_span:
                     extend_span.set_attributes({"pdd.extend_tokens": len(feed), "pdd.handoff_mode": stats.mode})
-                    finish_reason, wait_s = await io.forward_timed(request, feed)
+                    *_, (finish_reason, wait_s) = await asyncio.gather(
+                        *queued, io.forward_timed(request, feed, unfeed))
                     extend_span.set_attribute("pdd.extend_wait_s", wait_s)
                 # the first step after the cut is the extend-decode pass over the last eager tokens;
                 # its stats go out before its token, so the gateway can mark the cut
@@ -113,50 +135,59 @@ class MainRole(CachingRole):
             span.set_attribute("pdd.tokens", len(seq.output_ids) - first)
         return Phase.FINISHED
 
-    async def _take_over(self, request: DecodeRequest, io: DecoderIO) -> tuple[list[int], HandoffStats] | None:
+    async def _take_over(self, request: DecodeRequest, io: DecoderIO) -> _Cut | None:
         """Adopt RLD's eager tokens until the cut (what to do with each chunk: services/main/takeover.py).
 
         Chunks that arrived meanwhile are adopted together, one pass for all of them (in Catch-Up
-        RLD streams a token per step), so MD never falls behind by queueing. Returns the tokens
-        still to feed (after the last token whose KV MD holds) and the handoff's stats; None if RLD
-        finished the request itself.
+        RLD streams a token per step), so MD never falls behind by queueing. A pass that recomputes
+        without a report is queued, not awaited: the cut's pass, queued behind it, joins it in one
+        row while it still waits for MD's step. None if RLD finished the request itself.
         """
         seq = request.seq
         kv_wait_s = time.monotonic() - request.assigned_at
         t0 = time.monotonic()
         takeover = Takeover(request.assign.prompt_ids[-1])
-        feed: list[int] = []  # adopted, not yet fed
-        with io.tracer.start_as_current_span("main.handoff") as span:
-            if request.peer_messages.empty():  # else RLD streamed while the KV crossed: report after that pass
-                await self._report_progress(request, io, takeover)  # RLD answers with its tokens, or the cut
-            while True:
-                handoff = await request.next_peer_message(f"RLD never handed off {request.request_id}")
-                first = takeover.adopted
+        queued: list[asyncio.Future] = []
+        try:
+            with io.tracer.start_as_current_span("main.handoff") as span:
+                if request.peer_messages.empty():  # else RLD streamed while the KV crossed: report after that pass
+                    await self._report_progress(request, io, takeover)  # RLD answers with its tokens, or the cut
                 while True:
-                    adoption = takeover.adopt(handoff)
-                    if adoption.move is Move.RELAY_FINISHED:
-                        span.set_attribute("pdd.relay_finished", True)
-                        return None
-                    seq.output_ids.extend(adoption.new_ids)
-                    feed += adoption.feed_ids
-                    if adoption.move is Move.CUT or request.peer_messages.empty():
+                    handoff = await request.next_peer_message(f"RLD never handed off {request.request_id}")
+                    first = takeover.adopted
+                    while True:
+                        adoption = takeover.adopt(handoff)
+                        if adoption.move is Move.RELAY_FINISHED:
+                            span.set_attribute("pdd.relay_finished", True)
+                            for future in queued:
+                                future.cancel()  # MD drops the request: what is still queued need not run
+                            return None
+                        seq.output_ids.extend(adoption.new_ids)
+                        if adoption.move is Move.CUT or request.peer_messages.empty():
+                            break
+                        handoff = request.peer_messages.get_nowait()
+                    if adoption.move is Move.CUT:
                         break
-                    handoff = request.peer_messages.get_nowait()
-                if adoption.move is Move.CUT:
-                    break
-                catch_up = takeover.catch_up_pass(request.cut_announced)
-                if catch_up is Pass.COLLECT:
-                    continue
-                with io.tracer.start_as_current_span("main.catch_up_chunk") as chunk_span:
-                    chunk_span.set_attributes({"pdd.start": first, "pdd.tokens": takeover.adopted - first})
-                    if feed:
-                        await io.extend(request, feed)
-                feed = []
-                if catch_up is Pass.REPORT:
-                    await self._report_progress(request, io, takeover)
-            span.set_attributes({"pdd.eager_tokens": takeover.adopted, "pdd.handoff_mode": takeover.mode,
-                                 "pdd.chunks": takeover.chunks})
-        return feed, takeover.stats(request.request_id, kv_wait_s, time.monotonic() - t0)
+                    catch_up = takeover.catch_up_pass(request.cut_announced)
+                    if catch_up is Pass.COLLECT:
+                        continue
+                    with io.tracer.start_as_current_span("main.catch_up_chunk") as chunk_span:
+                        chunk_span.set_attributes({"pdd.start": first, "pdd.tokens": takeover.adopted - first,
+                                                   "pdd.report": catch_up is Pass.REPORT})
+                        feed = takeover.take_unfed()
+                        if feed:
+                            queued.append(io.extend(request, feed))
+                        if catch_up is Pass.REPORT:
+                            await _settled(queued)
+                    if catch_up is Pass.REPORT:
+                        await self._report_progress(request, io, takeover)
+                span.set_attributes({"pdd.eager_tokens": takeover.adopted, "pdd.handoff_mode": takeover.mode,
+                                     "pdd.chunks": takeover.chunks})
+        except BaseException:
+            for future in queued:
+                future.cancel()  # the request fails: what is still queued need not run
+            raise
+        return _Cut(adoption, queued, takeover.stats(request.request_id, kv_wait_s, time.monotonic() - t0))
 
     async def _report_progress(self, request: DecodeRequest, io: DecoderIO, takeover: Takeover) -> None:
         await io.publish(subjects.kv_ready(request.assign.relay_instance),

@@ -1,10 +1,13 @@
 """MD's half of the handoff: adopting RLD's eager tokens until the cut. Plain logic; no NATS, no model.
 
 RLD sends Handoff messages (when is services/relay/handoff.py's to decide). For each one,
-`Takeover.adopt` says which tokens MD's output gains and what to feed:
-- a Catch-Up chunk (final=False): EXTEND, feeding without sampling all but the newest token, so
-  the cut always has a token left whose logits give the next one;
-- the cut (final=True): CUT, feeding the rest and sampling the next token (extend-decode);
+`Takeover.adopt` says which tokens MD's output gains and what the move is:
+- a Catch-Up chunk (final=False): EXTEND; its tokens wait in `unfed` for a pass that recomputes
+  them (`take_unfed`), without sampling;
+- the cut (final=True): CUT, feeding what is still unfed and sampling the next token
+  (extend-decode). A pass recomputes every token it has, the newest included, so the cut's pass
+  feeds only what came since; a cut that brings nothing new drops the newest token's KV and feeds
+  it again (`unfeed`), for the logits to sample from;
 - finished=True: RLD made the last token itself (RELAY_FINISHED); MD drops the request.
 Tokens MD already holds are skipped: the gateway's recovery handoff repeats all the client has.
 A handoff that starts past what MD holds leaves a gap: ProtocolError.
@@ -18,7 +21,7 @@ passes is running when the cut arrives and its engine can hold a step for it.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.errors import ProtocolError
 from shared.messages import Handoff, HandoffStats
@@ -42,7 +45,8 @@ class Pass(enum.Enum):
 class Adoption:
     move: Move
     new_ids: list[int]  # eager tokens MD's output gains (the part MD held already skipped)
-    feed_ids: list[int]  # EXTEND: feed without sampling; CUT: feed, then sample the next token
+    feed_ids: list[int] = field(default_factory=list)  # CUT: feed, then sample the next token
+    unfeed: int = 0  # CUT: drop the KV of this many newest positions first (to feed them again)
 
 
 class Takeover:
@@ -53,7 +57,8 @@ class Takeover:
         self.chunks = 0  # handoff messages adopted, the cut's included
         self.mode = ""  # the last adopted handoff's (one-shot, catch-up, or the gateway's recovery)
         self.ended = False
-        self._unfed = [last_prompt_id]  # fed tokens lag one behind, so the cut always has logits
+        self._unfed = [last_prompt_id]  # adopted (or the prompt's last), not yet fed
+        self._newest = last_prompt_id  # the newest of those: the cut's pass ends on it
         self.reported_holding = False  # MD told RLD it holds some of its tokens (it reports that once)
 
     def adopt(self, handoff: Handoff) -> Adoption:
@@ -61,20 +66,26 @@ class Takeover:
             raise ProtocolError(f"handoff for {handoff.request_id} after its takeover ended")
         if handoff.finished:
             self.ended = True
-            return Adoption(Move.RELAY_FINISHED, [], [])
+            return Adoption(Move.RELAY_FINISHED, [])
         if handoff.start > self.adopted:
             raise ProtocolError(f"handoff chunk starts at {handoff.start}, MD holds {self.adopted}")
         new_ids = handoff.eager_ids[self.adopted - handoff.start:]
         self.adopted += len(new_ids)
         self.chunks += 1
         self.mode = handoff.mode
-        unfed = self._unfed + new_ids
-        if handoff.final:
-            self.ended = True
-            self._unfed = []
-            return Adoption(Move.CUT, new_ids, unfed)
-        self._unfed = unfed[-1:]
-        return Adoption(Move.EXTEND, new_ids, unfed[:-1])
+        self._unfed += new_ids
+        self._newest = self._unfed[-1] if self._unfed else self._newest
+        if not handoff.final:
+            return Adoption(Move.EXTEND, new_ids)
+        self.ended = True
+        if self._unfed:
+            return Adoption(Move.CUT, new_ids, self.take_unfed())
+        return Adoption(Move.CUT, new_ids, [self._newest], unfeed=1)
+
+    def take_unfed(self) -> list[int]:
+        """The tokens for a pass to feed (every adopted token not yet fed, in order); they count as fed."""
+        unfed, self._unfed = self._unfed, []
+        return unfed
 
     def catch_up_pass(self, cut_announced: bool) -> Pass:
         if not self.reported_holding:
