@@ -11,8 +11,6 @@ import dataclasses
 import logging
 import time
 
-from dataclasses import dataclass
-
 from nats.aio.msg import Msg
 
 from services.decoder.decode_cache import CachingRole
@@ -29,7 +27,7 @@ from shared.names import AbortReason, Pipeline, Role
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _Cut:
     """What the takeover hands to MD's decoding: the cut, the Catch-Up passes not yet done, the stats."""
 
