@@ -286,7 +286,9 @@ def _causal_mask(past: int, n: int, device: torch.device) -> torch.Tensor | None
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, decode_attention: str = "auto") -> None:
+    def __init__(self, model: torch.nn.Module, decode_attention: str = "auto", row_invariant: bool = True) -> None:
+        """`row_invariant`: a row's outputs never depend on how many rows share its step (decoders;
+        P's runner passes False, so its long prefill chunks are not split: shared/cpu_linears.py)."""
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
@@ -307,7 +309,8 @@ class ModelRunner:
         bfloat16_kv = self.decode_attention is not None and self.dtype == torch.bfloat16
         self.kv_dtype = torch.float32 if half and not bfloat16_kv else self.dtype
         model.set_attn_implementation(ATTENTION)
-        self.packed_linears = pack_linears(model)  # bfloat16 on a CPU: same outputs, weights reordered once
+        # bfloat16 on a CPU: same outputs, weights reordered once; a decoder's rows alike at any count
+        self.packed_linears = pack_linears(model, split_rows=row_invariant)
         log.info("%s on %s: one-token attention by %s, KV kept in %s, %d linears packed", self.dtype, self.device,
                  "pdd's CPU kernel" if self.decode_attention else "torch's SDPA", self.kv_dtype, self.packed_linears)
 

@@ -46,7 +46,7 @@ class PrefillService:
         path = resolve_model(config.model.model)
         self.layout = kv_layout(path)
         self.runner = ModelRunner(load_model(path, config.model.dtype, config.model.device),
-                                  config.model.decode_attention)
+                                  config.model.decode_attention, row_invariant=False)
         self.engine = BatchEngine(self.runner, config.engine, ROLE)  # chunks of many prompts share forwards
         self.failure = ServiceFailure()  # run_service stops P, exit status 1, if the engine thread dies
         self.engine.on_death = lambda exc: self.failure.fail(f"the engine thread died: {exc!r}")
