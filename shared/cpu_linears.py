@@ -17,8 +17,7 @@ Two rows cost about what one does there (46 against 45 µs); doing it for every 
 a 34 ms step, so the others are left alone.
 
 Some CPUs of the same kind switch kernels at a row count as well: on one, every shape of
-SmolLM2's but the attention's 576 x 192 rounds rows differently in calls of 33 rows or more than
-in calls of 32 or fewer. The load-time probe finds the largest count up to which every probed count
+SmolLM2's rounds rows differently in calls of 33 rows or more than in calls of 32 or fewer. The load-time probe finds the largest count up to which every probed count
 rounds like a row alone (`rows_per_call`); a decoder's calls with more rows are split into calls
 of at most that many, so its rows still come out alike whatever shares the step. P's runner does
 not split: its rows are a prompt's, never compared with another tier's, and splitting a 512-row
@@ -136,7 +135,8 @@ def rows_alike(linear: nn.Linear) -> int:
 
 def one_row_rounds_apart(linear: nn.Linear) -> bool:
     """Whether oneDNN rounds a row alone differently from the same row among others for this
-    linear's shape (a probe of random rows; the kernel oneDNN picks depends on the shape)."""
+    linear's shape (a probe of random rows; the kernel oneDNN picks depends on the shape). 32 rows:
+    a call that a decoder may split still compares with the kernel its parts use."""
     probe = PackedLinear(linear, keep_weight=True)
     x = torch.randn(32, linear.in_features, generator=torch.Generator().manual_seed(0)).to(linear.weight.dtype)
     with torch.inference_mode():

@@ -53,6 +53,12 @@ def sequence(runner: ModelRunner, key: str, prompt_ids: list[int], max_tokens: i
     return DecodeSequence(key, prompt_ids, sampling, runner.max_context_tokens)
 
 
+async def decode_on(engine: BatchEngine, seq: DecodeSequence, token: int, finish_reason: str | None) -> None:
+    """Step a request until it finishes, from its newest token."""
+    while finish_reason is None:
+        token, finish_reason = await engine.step(seq, [token])
+
+
 async def decode(engine: BatchEngine, seq: DecodeSequence, parts: list[torch.Tensor],
                  eager_ids: list[int] = (), started: asyncio.Event | None = None) -> list[int]:
     """A decoder's life for one request: admission, (extend-)decode to the end, release."""
@@ -157,8 +163,7 @@ async def test_catch_up_chunks_extend_the_kv_without_sampling(runner, prompts, t
                 assert await engine.extend(seq.request_id, pending[:-1]) is None
                 pending = pending[-1:]
             token, finish_reason = await engine.step(seq, pending)
-            while finish_reason is None:
-                token, finish_reason = await engine.step(seq, [token])
+            await decode_on(engine, seq, token, finish_reason)
         finally:
             engine.release(seq.request_id)
         assert seq.output_ids == expected
@@ -181,8 +186,7 @@ async def test_a_token_fed_again_after_unfeeding_its_kv_gives_the_same_continuat
             assert kv.length == len(prompt_ids) + 7
             token, finish_reason = await engine.submit(seq.request_id, [expected[6]], sample=True, unfeed=1)
             assert kv.length == len(prompt_ids) + 7
-            while finish_reason is None:
-                token, finish_reason = await engine.step(seq, [token])
+            await decode_on(engine, seq, token, finish_reason)
         finally:
             engine.release(seq.request_id)
         assert seq.output_ids == expected
@@ -246,8 +250,7 @@ async def test_a_requests_queued_feed_only_work_joins_its_next_work_in_one_row(r
             assert [await p for p in passes] == [None, None]
             assert engine.steps == steps + 1, "one step for the three"
             assert kv.length == len(prompt_ids) + len(seq.output_ids) - 1
-            while finish_reason is None:
-                token, finish_reason = await engine.step(seq, [token])
+            await decode_on(engine, seq, token, finish_reason)
         finally:
             engine.release("joined")
         assert seq.output_ids == expected
@@ -269,8 +272,7 @@ async def test_a_requests_work_runs_in_order_even_when_it_cannot_be_joined(runne
                 step = engine.submit("ordered", [expected[3]], sample=True)
             token, finish_reason = await step
             assert (await kv_future).shape[3] == 4
-            while finish_reason is None:
-                token, finish_reason = await engine.step(seq, [token])
+            await decode_on(engine, seq, token, finish_reason)
         finally:
             engine.release("ordered")
         assert seq.output_ids == expected
