@@ -49,7 +49,10 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None) -> NATS:
         log.warning("NATS error: %s", exc)
 
     async def on_disconnected() -> None:
-        log.warning("NATS disconnected")
+        if nc.is_closed:  # our own close (a drain at shutdown): nats-py calls this then too
+            log.debug("NATS connection closed")
+        else:
+            log.warning("NATS disconnected")
 
     async def on_reconnected() -> None:
         log.info("NATS reconnected")
