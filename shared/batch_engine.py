@@ -24,6 +24,7 @@ from typing import TypeVar
 import torch
 
 from shared.config import EngineConfig
+from shared.engine_timeline import EngineTimeline
 from shared.errors import BadRequest, KVPreempted, PddError
 from shared.grammar import Constraint, GrammarCompiler, GrammarDiverged, GrammarState
 from shared.model_runner import DecodeSequence, ModelRunner, PackedRow, SequenceKV
@@ -78,6 +79,16 @@ class _Admission:
     first_tokens: int  # what admission allocates (and the budget must have room for)
     seq: DecodeSequence | None
     future: asyncio.Future
+
+
+@dataclass(frozen=True)
+class _Command:
+    """Work to run on the engine thread between steps; `label` and `key` name it in the timeline."""
+
+    fn: Callable[[], None]
+    future: asyncio.Future | None = None  # settled by fn; failed if it never runs
+    label: str = ""
+    key: str = ""
 
 
 @dataclass
@@ -135,7 +146,8 @@ class BatchEngine:
         self._cond = threading.Condition()
         self._incoming: list[_Work] = []  # guarded by _cond
         # guarded by _cond: what to run between steps, and the future it settles (failed if never run)
-        self._commands: deque[tuple[Callable[[], None], asyncio.Future | None]] = deque()
+        self._commands: deque[_Command] = deque()
+        self.timeline = EngineTimeline(config.timeline_path, name) if config.timeline_path else None
         self.on_death: Callable[[BaseException], None] | None = None  # called on the engine thread if its loop dies
         self._stopping = False
         # engine-thread state
@@ -212,7 +224,7 @@ class BatchEngine:
         first = min(kv_tokens, filled + grow) if seq is not None and grow else kv_tokens
         future = asyncio.get_running_loop().create_future()
         admission = _Admission(key, parts, kv_tokens, first, seq, future)
-        self._command(lambda: self._waiting.append(admission), future)
+        self._command(lambda: self._waiting.append(admission), future, "open", key)
         return await future
 
     def submit(self, key: str, feed_ids: list[int], sample: bool, return_kv: bool = False,
@@ -275,14 +287,14 @@ class BatchEngine:
                 self.announced += 1
 
         try:
-            self._command(announce)
+            self._command(announce, None, "expect", key)
         except NotAdmitted:
             pass
 
     def release(self, key: str) -> None:
         """Free a request's KV, or withdraw its wait for budget; idempotent, safe from any thread."""
         try:
-            self._command(lambda: self._release(key))
+            self._command(lambda: self._release(key), None, "release", key)
         except NotAdmitted:  # the engine stopped, and freed everything as it did
             pass
 
@@ -319,7 +331,8 @@ class BatchEngine:
                 result, exc = None, error
             _notify(future, result, exc)
 
-        self._command(call, future)
+        self._command(call, future, getattr(fn, "__name__", "run").strip("_"),
+                      args[0] if args and isinstance(args[0], str) else "")
         value, started_ns = await future
         return value, submitted_ns, started_ns
 
@@ -329,10 +342,16 @@ class BatchEngine:
             self._cond.notify()
         self._thread.join(timeout=30)
 
-    def _command(self, fn: Callable[[], None], future: asyncio.Future | None = None) -> None:
+    def mark(self, key: str, what: str, **fields: object) -> None:
+        """A service's own moment in the timeline (MD: a cut received), if there is one."""
+        if self.timeline is not None:
+            self.timeline.write("mark", t_ns=time.time_ns(), key=key, what=what, **fields)
+
+    def _command(self, fn: Callable[[], None], future: asyncio.Future | None = None, label: str = "",
+                 key: str = "") -> None:
         with self._cond:
             self._check_alive()
-            self._commands.append((fn, future))
+            self._commands.append(_Command(fn, future, label, key))
             self._cond.notify()
 
     def _check_alive(self) -> None:
@@ -362,12 +381,15 @@ class BatchEngine:
             self._fail_all(died)
         finally:
             self._fail_all(NotAdmitted("engine stopped"))
+            if self.timeline is not None:
+                self.timeline.close()
 
     def _gather(self) -> bool:
         """Wait for work; after a step, also briefly for the requests it served, so they step together,
         and for work announced to arrive within a hold (`expect`)."""
         deadline = time.monotonic() + self.config.gather_s
         held_since: float | None = None
+        held_since_ns = 0
         held_for: set[str] = set()
         while True:
             with self._cond:
@@ -376,11 +398,15 @@ class BatchEngine:
                 commands, self._commands = self._commands, deque()
                 self._work += self._incoming
                 self._incoming = []
-            for command, _ in commands:
+            for command in commands:
+                started_ns = time.time_ns()
                 try:
-                    command()
+                    command.fn()
                 except Exception:  # a command settles its own future; one that fails must not stop the engine
                     log.exception("engine command failed")
+                if self.timeline is not None:
+                    self.timeline.write("command", t_ns=started_ns, end_ns=time.time_ns(), label=command.label,
+                                        key=command.key)
             if commands:
                 self._admit()
             now = time.monotonic()
@@ -392,11 +418,15 @@ class BatchEngine:
             hold_until = self._hold_until(now, held_since) if have_work else None
             if have_work and not missing and hold_until is None:
                 if held_since is not None:
+                    met = bool(held_for & {w.key for w in self._work if w.sample})
                     self.holds += 1
-                    self.holds_met += bool(held_for & {w.key for w in self._work if w.sample})
+                    self.holds_met += met
+                    if self.timeline is not None:
+                        self.timeline.write("hold", t_ns=held_since_ns, end_ns=time.time_ns(), keys=sorted(held_for),
+                                            met=met)
                 return True
             if hold_until is not None and held_since is None:
-                held_since, held_for = now, set(self._due)
+                held_since, held_since_ns, held_for = now, time.time_ns(), set(self._due)
             wake_at = min(deadline if missing else float("inf"), hold_until or float("inf"))
             with self._cond:
                 if not (self._commands or self._incoming or self._stopping):
@@ -445,6 +475,8 @@ class BatchEngine:
                 continue
             self._slots[admission.key] = _Slot(kv, admission.kv_tokens, admission.seq)
             self.kv_used_tokens += admission.first_tokens
+            if self.timeline is not None:
+                self.timeline.write("admitted", t_ns=time.time_ns(), key=admission.key, tokens=admission.first_tokens)
             if admission.seq is not None:
                 admission.seq.kv = kv
             _notify(admission.future, kv)  # a caller that gave up meanwhile still releases the key
@@ -492,7 +524,10 @@ class BatchEngine:
                 if victim == work.key:
                     break
             if work.key in self._slots:
+                started_ns = time.time_ns()
                 slot.kv.data = self.runner.grown(slot.kv.data, slot.kv.length, capacity)
+                if self.timeline is not None:
+                    self.timeline.write("command", t_ns=started_ns, end_ns=time.time_ns(), label="grow", key=work.key)
                 self.kv_used_tokens += more
                 self.grows += 1
         return [(work, take) for work, take in batch if work.key in self._slots]
@@ -603,6 +638,9 @@ class BatchEngine:
         self.steps += 1
         self.rows += len(batch)
         self.batch_sizes.append(len(batch))
+        if self.timeline is not None:
+            self.timeline.write("step", t_ns=started_ns, end_ns=time.time_ns(), step=self.steps,
+                                rows=[[w.key, take, w.sample and not w.left, w.submitted_ns] for w, take in batch])
         for future, result, exc in settled:
             _notify(future, result, exc)
 
@@ -684,7 +722,7 @@ class BatchEngine:
             self._incoming = []
             commands, self._commands = self._commands, deque()
         pending = ([w.future for w in self._work] + [a.future for a in self._waiting]
-                   + [future for _, future in commands if future is not None])
+                   + [command.future for command in commands if command.future is not None])
         self._work, self._waiting = [], deque()
         for future in pending:
             _notify(future, exc=exc)

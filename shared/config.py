@@ -195,6 +195,9 @@ class EngineConfig:
                                   "(0: never hold)")
     hold_grace_s: float = flag(0.0, "how late announced work may come and still end a hold, in seconds (0: a "
                                     "quarter of a step, at least 5 ms); never past --hold-steps")
+    timeline_path: str = flag("", "append the engine's timeline (each step, KV copy and hold, in wall-clock ns) to "
+                                  "this JSON-lines file, for latency debugging (docs/observability.md)",
+                              name="engine-timeline")
     torch_threads: int = 0  # from ModelConfig's --torch-threads
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 from shared.batch_engine import BatchEngine, KVBudgetExceeded, KVPreempted, NotAdmitted
 from shared.config import EngineConfig
+from shared.engine_timeline import read_timeline
 from shared.model_runner import DecodeSequence, ModelRunner, PackedRow
 from shared.models import load_model
 from shared.sampling import SamplingParams, sample_token, sample_tokens
@@ -653,3 +655,56 @@ async def test_commands_queued_when_the_engine_stops_fail_rather_than_hang(runne
     await first
     with pytest.raises(NotAdmitted):
         await asyncio.wait_for(queued, 10)
+
+
+async def test_the_timeline_records_each_step_copy_hold_and_mark_in_wall_clock_order(runner, prompts, tmp_path):
+    """`--engine-timeline`: every step with its rows, the KV copies and admissions between steps,
+    a hold for announced work and a service's marks, with times that line up with time.time_ns."""
+    path = tmp_path / "engine.jsonl"
+    before_ns = time.time_ns()
+    with engine_with(runner, timeline_path=str(path), hold_steps=1e6) as engine:
+        seq = sequence(runner, "r", prompts[2], 6)
+        parts = prompt_kv(runner, prompts[2])
+        await engine.open("r", (), seq.kv_tokens_needed, seq, pending_tokens=parts[0].shape[3])
+        await engine.fill("r", parts[0])
+        busy = asyncio.create_task(decode(engine, sequence(runner, "busy", prompts[3], 10_000),
+                                          prompt_kv(runner, prompts[3])))
+        try:
+            await wait_for_steps(engine, 3)
+            engine.expect("r", 0.05)
+            await asyncio.sleep(0.03)
+            engine.mark("r", "cut_received", eager_tokens=0)
+            token, finish_reason = await engine.step(seq, [seq.prompt_ids[-1]])
+        finally:
+            busy.cancel()
+            await asyncio.gather(busy, return_exceptions=True)
+        await decode_on(engine, seq, token, finish_reason)
+        engine.release("r")
+    events = read_timeline(path)
+    after_ns = time.time_ns()
+    steps = [e for e in events if e["kind"] == "step"]
+    assert len(steps) == engine.steps
+    assert all(before_ns <= e["t_ns"] <= e.get("end_ns", e["t_ns"]) <= after_ns for e in events)
+    assert [e["t_ns"] for e in steps] == sorted(e["t_ns"] for e in steps)
+    r_rows = [row for s in steps for row in s["rows"] if row[0] == "r"]
+    assert len(r_rows) == 6 and all(row[1] == 1 and row[2] for row in r_rows)
+    labels = [e["label"] for e in events if e["kind"] == "command"]
+    assert labels[:2] == ["open", "fill"] and "expect" in labels and labels[-1] == "release"
+    assert any(e["kind"] == "admitted" and e["key"] == "r" for e in events)
+    holds = [e for e in events if e["kind"] == "hold"]
+    assert len(holds) == 1 and holds[0]["keys"] == ["r"] and holds[0]["met"]
+    mark = next(e for e in events if e["kind"] == "mark")
+    assert (mark["key"], mark["what"], mark["eager_tokens"]) == ("r", "cut_received", 0)
+    held_step = next(s for s in steps if any(row[0] == "r" for row in s["rows"]))
+    assert holds[0]["t_ns"] < holds[0]["end_ns"] <= held_step["t_ns"], "the hold comes before the step it held"
+    assert len(held_step["rows"]) == 2, "the cut's work joined the busy request's step"
+    assert next(row for row in held_step["rows"] if row[0] == "r")[3] >= mark["t_ns"]
+
+
+async def test_an_engine_without_a_timeline_writes_none(runner, prompts, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with engine_with(runner) as engine:
+        seq = sequence(runner, "r", prompts[1], 3)
+        assert await decode(engine, seq, prompt_kv(runner, prompts[1]))
+        engine.mark("r", "ignored")
+    assert engine.timeline is None and not list(tmp_path.iterdir())

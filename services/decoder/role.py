@@ -63,6 +63,9 @@ class DecoderIO(Protocol):
     def expect(self, request: DecodeRequest, in_s: float) -> None:
         """The request's next forward comes in about `in_s`: the engine may hold its next step for it."""
 
+    def mark(self, request: DecodeRequest, what: str, **fields: object) -> None:
+        """Note a moment of the request's in the engine's timeline (`--engine-timeline`), if it keeps one."""
+
     async def publish_token(self, request: DecodeRequest, finish_reason: str | None) -> None:
         """Send the request's newest output token to the gateway."""
 

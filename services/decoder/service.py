@@ -260,6 +260,9 @@ class DecoderService:
     def expect(self, request: DecodeRequest, in_s: float) -> None:
         self.engine.expect(request.request_id, in_s)
 
+    def mark(self, request: DecodeRequest, what: str, **fields: object) -> None:
+        self.engine.mark(request.request_id, what, **fields)
+
     async def publish_token(self, request: DecodeRequest, finish_reason: str | None) -> None:
         seq = request.seq
         self.metrics.output_tokens.inc()

@@ -85,6 +85,7 @@ class MainRole(CachingRole):
         if request is None:
             return
         if isinstance(handoff, CutComing):
+            io.mark(request, "cut_coming_received", in_s=handoff.in_s)
             request.cut_announced = True
             if request.seq is not None and request.seq.kv is not None:  # admitted: the engine can hold for it
                 io.expect(request, handoff.in_s)
@@ -95,6 +96,8 @@ class MainRole(CachingRole):
             # (with a backfill asked for, the gateway's abort says whether P sends it anyway)
             request.task.cancel()
             return
+        if handoff.final:
+            io.mark(request, "cut_received", eager_tokens=handoff.start + len(handoff.eager_ids))
         request.peer_messages.put_nowait(handoff)
 
     async def decode(self, request: DecodeRequest, io: DecoderIO) -> Phase:

@@ -102,6 +102,7 @@ class RelayRole(CachingRole):
         running.announced = True
         self.cuts_announced += 1
         in_s = max(0.0, running.started + running.step_s - time.monotonic())
+        io.mark(request, "cut_announced", in_s=in_s)
         await io.publish(subjects.handoff(request.assign.main_instance), CutComing(request.request_id, in_s))
 
     def _plan(self, request: DecodeRequest, running: int) -> HandoffPlan:
@@ -162,6 +163,7 @@ class RelayRole(CachingRole):
             span.set_attributes({"pdd.start": decision.start, "pdd.end": decision.end, "pdd.final": final})
             if final:
                 io.metrics.handoffs.labels(plan.mode.value).inc()
+                io.mark(request, "cut_sent", eager_tokens=decision.end)
             await io.publish(subjects.handoff(request.assign.main_instance), Handoff(
                 request.request_id, request.seq.output_ids[decision.start:decision.end], finished=False,
                 start=decision.start, final=final, mode=plan.mode.value))
