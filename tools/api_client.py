@@ -28,6 +28,7 @@ class ApiError(RuntimeError):
 
 @dataclass
 class StreamResult:
+    response_id: str | None = None  # the stream's `id` (pdd: "cmpl-" + the request id's hex)
     token_ids: list[int] = field(default_factory=list)
     tiers: list[str] = field(default_factory=list)
     token_times_s: list[float] = field(default_factory=list)  # since the request was sent
@@ -75,6 +76,8 @@ async def stream_completion(session: aiohttp.ClientSession, api_url: str, body: 
         async for event in sse_events(resp):
             if "error" in event:
                 raise ApiError(200, event)
+            if result.response_id is None and isinstance(event.get("id"), str):
+                result.response_id = event["id"]
             if event.get("usage"):
                 result.usage = event["usage"]
             pdd = event.get("pdd") or {}

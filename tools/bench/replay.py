@@ -26,6 +26,8 @@ class RequestRecord:
     session: int | None
     arrival_s: float  # planned
     sent_s: float | None = None  # None: never sent (duration or run ended first)
+    sent_at: float | None = None  # when it was sent, wall clock (time.time()), to line up with server timelines
+    response_id: str | None = None
     ok: bool = False
     error: str | None = None
     prompt_tokens: int = 0
@@ -58,6 +60,7 @@ def _record_result(rec: RequestRecord, result: StreamResult, e2e_s: float) -> No
     main_kv = kv.get("main") or {}
     prefill = summary.get("prefill")
     rec.ok = True
+    rec.response_id = result.response_id
     rec.e2e_s = e2e_s
     rec.token_times_s = list(result.token_times_s)
     rec.tiers = list(result.tiers)
@@ -108,6 +111,7 @@ class Replayer:
             body["model"] = self.model
         answer: list[int] = []
         sent = time.monotonic()
+        rec.sent_at = time.time()
         try:
             async with asyncio.timeout(self.load.request_timeout_s):
                 result = await stream_completion(self.session, self.api_url, body)
