@@ -368,6 +368,8 @@ class GatewayConfig:
                                  name="pipeline", choices=choices(Pipeline.requestable(), AUTO))
     request_timeout_s: float = flag(300.0)
     token_timeout_s: float = flag(60.0, "longest wait for the next token before the request fails")
+    instance_wait_s: float = flag(10.0, "a request that finds no live instance of a role it needs (one restarting, "
+                                        "a NATS reconnect) waits this long for one before 503 (0: refuse at once)")
     max_body_bytes: int = flag(4 * 1024 * 1024)
     header_timeout_s: float = flag(10.0, "a connection must send a whole request head within this many seconds of "
                                          "opening or of its last response, else it is closed (also the idle "

@@ -98,6 +98,9 @@ class GatewayMetrics(_RoleMetrics):
                                    registry=r)
         self.instances_gone = Counter("pdd_instances_gone", "Instances found dead: a liveness ping nobody was "
                                       "there to answer", ["role"], registry=r)
+        self.instance_waits = Counter("pdd_instance_waits", "Requests that found no live instance of a role and "
+                                      "waited for one (--instance-wait-s), by whether one came", ["role", "outcome"],
+                                      registry=r)
         self.queued_requests = Gauge("pdd_gateway_queued_requests", "API requests waiting at admission for one "
                                      "of --max-running-requests to end (at most --max-queued-requests)", registry=r)
 

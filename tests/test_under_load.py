@@ -18,9 +18,10 @@ from helpers import random_prompt
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.gateway.http.admission import Admission, ClientLeft, Overloaded
-from services.gateway.routing.registry import InstanceRegistry
+from services.gateway.routing.registry import InstanceRegistry, NoLiveInstance
 from shared.errors import DeadlineExceeded, PeerGone
 from shared.messages import Heartbeat
+from shared.names import Role
 from tools.api_client import sse_events, stream_completion
 from tools.launcher import LocalStack
 from tools.stack_config import StackConfig
@@ -126,6 +127,30 @@ def test_an_instance_that_failed_and_answers_no_ping_is_not_picked_again():
     registry.mark_gone("rld-a")
     with pytest.raises(PeerGone, match="no live relay instance$"):
         registry.pick("relay")
+
+
+async def test_waiting_for_an_instance_ends_at_its_first_heartbeat():
+    registry = InstanceRegistry(stale_after_s=60)
+    registry.observe(beat("rld-a"))
+    registry.mark_gone("rld-a")  # killed; restarting
+    with pytest.raises(NoLiveInstance) as info:
+        registry.pick("relay")
+    assert info.value.role == "relay"
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.2, lambda: registry.observe(beat("rld-a")))  # the restarted one beats
+    t0 = loop.time()
+    assert await registry.wait_alive(Role.RELAY, timeout_s=10, poll_s=5)
+    assert 0.15 < loop.time() - t0 < 2, "woken by the heartbeat, not by a poll"
+    assert registry.pick("relay").heartbeat.instance_id == "rld-a"
+
+
+async def test_waiting_for_an_instance_gives_up_at_its_deadline():
+    registry = InstanceRegistry(stale_after_s=60)
+    registry.observe(Heartbeat("main", "md-a", "127.0.0.1", 1, "m", 0, 0, time.time()))  # another role beats
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    assert not await registry.wait_alive(Role.RELAY, timeout_s=0.3, poll_s=0.1)
+    assert 0.3 <= loop.time() - t0 < 2
 
 
 # --- on real processes -----------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from services.gateway.routing.policy import (
     choose_pipeline,
     path_round_trip_s,
 )
-from services.gateway.routing.registry import Instance, InstanceRegistry
+from services.gateway.routing.registry import Instance, InstanceRegistry, NoLiveInstance
 from services.gateway.routing.telemetry import Telemetry
 from services.gateway.run.attempt import Attempt, GenerationRequest
 from services.gateway.run.request_run import RequestRun, new_request_id
@@ -153,14 +153,23 @@ class Dispatcher:
         """One attempt, preferring instances not in `avoid` (those the request failed on). An
         instance that fails to accept is avoided and the dispatch tried once more: one that
         nobody answers for, or that answers no ping either, is also skipped by other requests for
-        a while; one that still answers pings is busy, and may be tried again."""
+        a while; one that still answers pings is busy, and may be tried again. A role with no live
+        instance at all (one restarting, a NATS reconnect) is waited for, once, up to
+        `instance_wait_s`."""
         avoid = set(avoid)
-        for attempt in range(2):
+        tries, waited = 0, False
+        while True:
             try:
                 return await self._dispatch_once(req, output_offset, avoid, on_event)
+            except NoLiveInstance as exc:
+                if waited or not await self._wait_for_instance(req, exc.role):
+                    raise
+                waited = True
+                continue
             except (PeerGone, DeadlineExceeded) as exc:
                 failed = getattr(exc, "instance_id", None)
-                if failed is None or attempt == 1:
+                tries += 1
+                if failed is None or tries == 2:
                     raise
                 busy = isinstance(exc, DeadlineExceeded) and self.registry.answered_within(failed, BUSY_ANSWERED_S)
                 log.warning("%s: %s did not accept (%s); trying %s", req.request_id, failed, exc,
@@ -172,7 +181,18 @@ class Dispatcher:
                 # the first try's instances that accepted let it go asynchronously (an Abort): under
                 # its id the retry could find one still holding it ("already assigned here")
                 req = dataclasses.replace(req, request_id=new_request_id())
-        raise AssertionError("unreachable")
+
+    async def _wait_for_instance(self, req: GenerationRequest, role: Role) -> bool:
+        wait_s = self.config.instance_wait_s
+        if wait_s <= 0:
+            return False
+        log.warning("%s: no live %s instance; waiting up to %.1f s for one", req.request_id, role, wait_s)
+        started = time.monotonic()
+        alive = await self.registry.wait_alive(role, wait_s)
+        self.metrics.instance_waits.labels(role.value, "found" if alive else "none").inc()
+        log.log(logging.INFO if alive else logging.WARNING, "%s: %s %s after %.2f s", req.request_id,
+                "found a live" if alive else "still no live", role, time.monotonic() - started)
+        return alive
 
     def _choose_main(self, prompt_ids: list[int], avoid: set[str]) -> tuple[Instance, int] | None:
         """Cache-aware: the MD holding the longest prefix of the prompt, weighed against its load;

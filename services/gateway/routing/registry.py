@@ -1,6 +1,7 @@
 """The gateway's view of live instances, fed by their heartbeats (routing never has to ask)."""
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -8,6 +9,14 @@ from dataclasses import dataclass
 from shared.errors import PeerGone
 from shared.messages import Heartbeat
 from shared.names import Role
+
+
+class NoLiveInstance(PeerGone):
+    """No instance of a role is heard from at all: none started yet, all dead, or one restarting."""
+
+    def __init__(self, role: Role, message: str) -> None:
+        super().__init__(message)
+        self.role = role
 
 
 @dataclass
@@ -41,6 +50,7 @@ class InstanceRegistry:
         self._on_gone = on_gone  # told the id of an instance found dead (its caches died with it)
         self._instances: dict[str, Instance] = {}
         self._suspect_until: dict[str, float] = {}
+        self._beat = asyncio.Event()  # set, and replaced, at every heartbeat: wakes `wait_alive`
 
     def observe(self, heartbeat: Heartbeat) -> None:
         known = self._instances.get(heartbeat.instance_id)
@@ -49,6 +59,24 @@ class InstanceRegistry:
         self._instances[heartbeat.instance_id] = Instance(
             heartbeat, self.clock(), known.in_flight if known else 0,
             answered_at=known.answered_at if known else None)
+        self._beat.set()
+        self._beat = asyncio.Event()
+
+    async def wait_alive(self, role: Role, timeout_s: float, poll_s: float = 0.25) -> bool:
+        """Wait up to `timeout_s` for an instance of `role` to be alive (a restarted one beating, a
+        suspect's time over); True once one is. Woken by heartbeats, and every `poll_s` for suspects."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.alive(role):
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            try:
+                async with asyncio.timeout(min(left, poll_s)):
+                    await self._beat.wait()
+            except TimeoutError:
+                pass
+        return True
 
     def mark_gone(self, instance_id: str) -> None:
         """NATS says nobody answers the instance's ping: it is dead, whatever its last heartbeat says."""
@@ -112,13 +140,15 @@ class InstanceRegistry:
 
         `avoid`: instances a request failed on. Another live instance is preferred; when there is
         none, one that still answers its pings is busy, not gone, and is picked again rather than
-        report the role empty. Raises PeerGone only when no instance of `role` is heard from."""
+        report the role empty. Raises NoLiveInstance when no instance of `role` is alive, PeerGone
+        when the only live ones failed this request and answer no ping."""
         alive = self.alive(role)
         candidates = ([i for i in alive if i.heartbeat.instance_id not in avoid]
                       or [i for i in alive if self.answered_within(i.heartbeat.instance_id, self.stale_after_s)])
+        if not alive:
+            raise NoLiveInstance(role, f"no live {role} instance")
         if not candidates:
-            raise PeerGone(f"no live {role} instance" if not alive else
-                           f"no live {role} instance but {', '.join(i.heartbeat.instance_id for i in alive)}, "
+            raise PeerGone(f"no live {role} instance but {', '.join(i.heartbeat.instance_id for i in alive)}, "
                            "which failed this request and stopped answering pings")
         key = score or (lambda i: -i.load)
         chosen = max(candidates, key=lambda i: (key(i), -i.load, i.heartbeat.instance_id))
