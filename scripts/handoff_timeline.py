@@ -10,8 +10,8 @@ engine timelines (`--engine-timeline`).
 For every handoff, in ms: the stall the client saw (the larger gap around its first MD token, as
 `pdd bench` counts it) and its parts: RLD's cut sent -> received on MD (the hop), received -> its
 work submitted to MD's engine (MD's event loop), submitted -> its step began (the wait, and what MD's
-engine ran meanwhile: steps, KV copies, holds), the step itself, and the step's end -> the token at
-the client. Times are wall clock, so the client, MD and RLD must share a host's clock.
+engine ran meanwhile: steps, KV copies, holds), the step itself (and the CPU time MD's engine thread got in it: short of the step's
+wall time, it waited for a core), and the step's end -> the token at the client. Times are wall clock, so the client, MD and RLD must share a host's clock.
 """
 from __future__ import annotations
 
@@ -94,6 +94,7 @@ def analyse(records: list[RequestRecord], main: list[dict], relay: list[dict]) -
             submitted = next(r[3] for r in step["rows"] if r[0] == key and r[2])
             row.update(loop_ms=_ms(received["t_ns"], submitted) if received else None,
                        wait_ms=_ms(submitted, step["t_ns"]), pass_ms=_ms(step["t_ns"], step["end_ns"]),
+                       pass_cpu_ms=step["cpu_ns"] / 1e6 if "cpu_ns" in step else None,
                        pass_rows=len(step["rows"]), pass_tokens=sum(r[1] for r in step["rows"]),
                        to_client_ms=_ms(step["end_ns"], first_main_ns),
                        during_wait=_busy(_between(main, submitted, step["t_ns"]), key))
@@ -102,7 +103,8 @@ def analyse(records: list[RequestRecord], main: list[dict], relay: list[dict]) -
 
 
 def _print(rows: list[dict], itl_ms: float) -> None:
-    cols = ("stall_ms", "gap_ms", "after_ms", "hop_ms", "loop_ms", "wait_ms", "pass_ms", "pass_rows", "to_client_ms")
+    cols = ("stall_ms", "gap_ms", "after_ms", "hop_ms", "loop_ms", "wait_ms", "pass_ms", "pass_cpu_ms", "pass_rows",
+            "to_client_ms")
     print(f"median ITL {itl_ms:.1f} ms; {len(rows)} handoffs")
     print("| key | x ITL | " + " | ".join(cols) + " | wait: steps / copies / commands / held ms |")
     print("|---" * (len(cols) + 3) + "|")

@@ -603,6 +603,7 @@ class BatchEngine:
         for work, _ in batch:
             work.started_ns = work.started_ns or started_ns
         t0 = time.perf_counter()
+        cpu0_ns = time.thread_time_ns()
         try:
             logits = self.runner.forward_packed(rows)
         except Exception as exc:
@@ -640,6 +641,7 @@ class BatchEngine:
         self.batch_sizes.append(len(batch))
         if self.timeline is not None:
             self.timeline.write("step", t_ns=started_ns, end_ns=time.time_ns(), step=self.steps,
+                                cpu_ns=time.thread_time_ns() - cpu0_ns,
                                 rows=[[w.key, take, w.sample and not w.left, w.submitted_ns] for w, take in batch])
         for future, result, exc in settled:
             _notify(future, result, exc)

@@ -686,6 +686,7 @@ async def test_the_timeline_records_each_step_copy_hold_and_mark_in_wall_clock_o
     assert len(steps) == engine.steps
     assert all(before_ns <= e["t_ns"] <= e.get("end_ns", e["t_ns"]) <= after_ns for e in events)
     assert [e["t_ns"] for e in steps] == sorted(e["t_ns"] for e in steps)
+    assert all(0 < e["cpu_ns"] <= e["end_ns"] - e["t_ns"] + 1_000_000 for e in steps), "the thread's CPU time in it"
     r_rows = [row for s in steps for row in s["rows"] if row[0] == "r"]
     assert len(r_rows) == 6 and all(row[1] == 1 and row[2] for row in r_rows)
     labels = [e["label"] for e in events if e["kind"] == "command"]
