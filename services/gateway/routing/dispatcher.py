@@ -189,7 +189,7 @@ class Dispatcher:
         log.warning("%s: no live %s instance; waiting up to %.1f s for one", req.request_id, role, wait_s)
         started = time.monotonic()
         alive = await self.registry.wait_alive(role, wait_s)
-        self.metrics.instance_waits.labels(role.value, "found" if alive else "none").inc()
+        self.metrics.instance_waits.labels(str(role), "found" if alive else "none").inc()
         log.log(logging.INFO if alive else logging.WARNING, "%s: %s %s after %.2f s", req.request_id,
                 "found a live" if alive else "still no live", role, time.monotonic() - started)
         return alive
