@@ -9,9 +9,10 @@ engine timelines (`--engine-timeline`).
 
 For every handoff, in ms: the stall the client saw (the larger gap around its first MD token, as
 `pdd bench` counts it) and its parts: RLD's cut sent -> received on MD (the hop), received -> its
-work submitted to MD's engine (MD's event loop), submitted -> its step began (the wait, and what MD's
-engine ran meanwhile: steps, KV copies, holds), the step itself (and the CPU time MD's engine thread got in it: short of the step's
-wall time, it waited for a core), and the step's end -> the token at the client. Times are wall clock, so the client, MD and RLD must share a host's clock.
+work submitted to MD's engine (MD's event loop), submitted -> its step began (the wait, and what
+MD's engine ran meanwhile: steps, KV copies, holds), the step itself (and the CPU time MD's engine
+thread got in it: short of the step's wall time, it waited for a core), and the step's end -> the
+token at the client. Times are wall clock, so the client, MD and RLD must share a host's clock.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def _between(events: list[dict], start_ns: int, end_ns: int) -> list[dict]:
             and e["t_ns"] < end_ns]
 
 
-def _busy(events: list[dict], key: str) -> dict[str, float]:
+def _busy(events: list[dict]) -> dict[str, float]:
     """What MD's engine did during a wait, in ms: others' steps, its KV copies and other commands, holds."""
     out = {"steps_ms": 0.0, "steps": 0, "copies_ms": 0.0, "commands_ms": 0.0, "held_ms": 0.0}
     for e in events:
@@ -88,7 +89,8 @@ def analyse(records: list[RequestRecord], main: list[dict], relay: list[dict]) -
         received = md.get("cut_received")
         if received is not None and "cut_sent" in rld:
             row["hop_ms"] = _ms(rld["cut_sent"]["t_ns"], received["t_ns"])
-            row["rld_sent_after_token_ms"] = _ms(last_relay_ns, rld["cut_sent"]["t_ns"])  # < 0: sent before the client saw it
+            # < 0: RLD sent the cut before the client saw RLD's last token
+            row["rld_sent_after_token_ms"] = _ms(last_relay_ns, rld["cut_sent"]["t_ns"])
         step = _cut_step(main_steps, key, received["t_ns"] if received else 0)
         if step is not None:
             submitted = next(r[3] for r in step["rows"] if r[0] == key and r[2])
@@ -97,7 +99,7 @@ def analyse(records: list[RequestRecord], main: list[dict], relay: list[dict]) -
                        pass_cpu_ms=step["cpu_ns"] / 1e6 if "cpu_ns" in step else None,
                        pass_rows=len(step["rows"]), pass_tokens=sum(r[1] for r in step["rows"]),
                        to_client_ms=_ms(step["end_ns"], first_main_ns),
-                       during_wait=_busy(_between(main, submitted, step["t_ns"]), key))
+                       during_wait=_busy(_between(main, submitted, step["t_ns"])))
         out.append(row)
     return out
 
@@ -111,8 +113,8 @@ def _print(rows: list[dict], itl_ms: float) -> None:
     for r in sorted(rows, key=lambda r: -r["stall_ms"]):
         cells = [f"{r[c]:.1f}" if isinstance(r.get(c), float) else str(r.get(c, "-")) for c in cols]
         w = r.get("during_wait")
-        busy = (f"{w['steps']}: {w['steps_ms']:.1f} / {w['copies_ms']:.1f} / {w['commands_ms']:.1f} / {w['held_ms']:.1f}"
-                if w else "-")
+        busy = "-" if not w else (f"{w['steps']}: {w['steps_ms']:.1f} / {w['copies_ms']:.1f} / "
+                                  f"{w['commands_ms']:.1f} / {w['held_ms']:.1f}")
         print(f"| {r['key'][-8:]} | {r['stall_ms'] / itl_ms:.2f} | " + " | ".join(cells) + f" | {busy} |")
     for c in cols[:-2]:
         values = [r[c] for r in rows if isinstance(r.get(c), float)]

@@ -344,8 +344,11 @@ class BatchEngine:
 
     def mark(self, key: str, what: str, **fields: object) -> None:
         """A service's own moment in the timeline (MD: a cut received), if there is one."""
+        self._record("mark", t_ns=time.time_ns(), key=key, what=what, **fields)
+
+    def _record(self, kind: str, **fields: object) -> None:
         if self.timeline is not None:
-            self.timeline.write("mark", t_ns=time.time_ns(), key=key, what=what, **fields)
+            self.timeline.write(kind, **fields)
 
     def _command(self, fn: Callable[[], None], future: asyncio.Future | None = None, label: str = "",
                  key: str = "") -> None:
@@ -404,9 +407,7 @@ class BatchEngine:
                     command.fn()
                 except Exception:  # a command settles its own future; one that fails must not stop the engine
                     log.exception("engine command failed")
-                if self.timeline is not None:
-                    self.timeline.write("command", t_ns=started_ns, end_ns=time.time_ns(), label=command.label,
-                                        key=command.key)
+                self._record("command", t_ns=started_ns, end_ns=time.time_ns(), label=command.label, key=command.key)
             if commands:
                 self._admit()
             now = time.monotonic()
@@ -421,9 +422,7 @@ class BatchEngine:
                     met = bool(held_for & {w.key for w in self._work if w.sample})
                     self.holds += 1
                     self.holds_met += met
-                    if self.timeline is not None:
-                        self.timeline.write("hold", t_ns=held_since_ns, end_ns=time.time_ns(), keys=sorted(held_for),
-                                            met=met)
+                    self._record("hold", t_ns=held_since_ns, end_ns=time.time_ns(), keys=sorted(held_for), met=met)
                 return True
             if hold_until is not None and held_since is None:
                 held_since, held_since_ns, held_for = now, time.time_ns(), set(self._due)
@@ -475,8 +474,7 @@ class BatchEngine:
                 continue
             self._slots[admission.key] = _Slot(kv, admission.kv_tokens, admission.seq)
             self.kv_used_tokens += admission.first_tokens
-            if self.timeline is not None:
-                self.timeline.write("admitted", t_ns=time.time_ns(), key=admission.key, tokens=admission.first_tokens)
+            self._record("admitted", t_ns=time.time_ns(), key=admission.key, tokens=admission.first_tokens)
             if admission.seq is not None:
                 admission.seq.kv = kv
             _notify(admission.future, kv)  # a caller that gave up meanwhile still releases the key
@@ -526,8 +524,7 @@ class BatchEngine:
             if work.key in self._slots:
                 started_ns = time.time_ns()
                 slot.kv.data = self.runner.grown(slot.kv.data, slot.kv.length, capacity)
-                if self.timeline is not None:
-                    self.timeline.write("command", t_ns=started_ns, end_ns=time.time_ns(), label="grow", key=work.key)
+                self._record("command", t_ns=started_ns, end_ns=time.time_ns(), label="grow", key=work.key)
                 self.kv_used_tokens += more
                 self.grows += 1
         return [(work, take) for work, take in batch if work.key in self._slots]
@@ -603,7 +600,7 @@ class BatchEngine:
         for work, _ in batch:
             work.started_ns = work.started_ns or started_ns
         t0 = time.perf_counter()
-        cpu0_ns = time.thread_time_ns()
+        cpu0_ns = time.thread_time_ns() if self.timeline is not None else 0
         try:
             logits = self.runner.forward_packed(rows)
         except Exception as exc:

@@ -2,8 +2,9 @@
 object a line, for latency debugging below the request traces.
 
 Events: `step` (when it began and ended, the engine thread's CPU time in it, its rows: request,
-tokens fed, whether it sampled, when the work was submitted), `command` (work run between steps: a KV copy, an admission, a release), `hold`
-(the engine waiting for announced work) and `mark` (a service's own moment, e.g. MD receiving a cut).
+tokens fed, whether it sampled, when the work was submitted), `command` (work run between steps: a
+KV copy, an admission, a release), `hold` (the engine waiting for announced work) and `mark` (a
+service's own moment, e.g. MD receiving a cut).
 Times are wall-clock nanoseconds (time.time_ns), so the files of several processes on one host line
 up. Off by default; on, an event costs one buffered write, flushed at most every `FLUSH_S`.
 """

@@ -165,7 +165,6 @@ class Dispatcher:
                 if waited or not await self._wait_for_instance(req, exc.role):
                     raise
                 waited = True
-                continue
             except (PeerGone, DeadlineExceeded) as exc:
                 failed = getattr(exc, "instance_id", None)
                 tries += 1
