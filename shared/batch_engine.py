@@ -1,7 +1,9 @@
 """The batch engine: one thread that runs every request's model work in shared forward passes.
 
 Requests join and leave the running batch at every step. A step takes the pending work (decode
-tokens first, then extend and prefill tokens, split to fit `max_batch_tokens`), runs ONE packed
+tokens first, then extend and prefill tokens, split to fit `max_batch_tokens`; P's long work in
+the order its requests were admitted, background work last, a row's attention over its cached
+context weighed against the budget), runs ONE packed
 forward over it and resolves each caller's asyncio future on its own loop. The engine also owns
 the KV: a budget of tokens, admission in arrival order while the budget has room, and exactly one
 free per request. A decoding request's KV grows as it decodes, by `kv_grow_tokens` or a quarter of
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -79,6 +82,7 @@ class _Admission:
     first_tokens: int  # what admission allocates (and the budget must have room for)
     seq: DecodeSequence | None
     future: asyncio.Future
+    background: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,7 @@ class _Slot:
     kv: SequenceKV  # kv.capacity positions allocated: what the budget counts
     kv_tokens: int  # the most it may grow to
     seq: DecodeSequence | None
+    background: bool = False  # its long work goes after everyone else's (P's warm-ups)
 
 
 def _settle(future: asyncio.Future, result: object = None, exc: BaseException | None = None,
@@ -207,11 +212,13 @@ class BatchEngine:
                 continue
 
     async def open(self, key: str, parts: Sequence[torch.Tensor], kv_tokens: int,
-                   seq: DecodeSequence | None = None, pending_tokens: int = 0) -> SequenceKV:
+                   seq: DecodeSequence | None = None, pending_tokens: int = 0,
+                   background: bool = False) -> SequenceKV:
         """Admit a request that will hold at most `kv_tokens` KV positions (waiting while the budget is
         full), filled with parts. A decoding request (`seq`) gets its parts, the `pending_tokens` that
         `fill` will add (the rest of its prompt, still arriving) and `kv_grow_tokens` more now, and
-        grows as it goes; any other gets all `kv_tokens` at once.
+        grows as it goes; any other gets all `kv_tokens` at once. A `background` request's longer
+        work goes after everyone else's (nobody waits for it).
 
         The caller must `release(key)` on every path once this was called, also when it was
         cancelled while waiting: the release is what frees the KV or withdraws the wait.
@@ -223,7 +230,7 @@ class BatchEngine:
         filled = sum(part.shape[3] for part in parts) + pending_tokens
         first = min(kv_tokens, filled + grow) if seq is not None and grow else kv_tokens
         future = asyncio.get_running_loop().create_future()
-        admission = _Admission(key, parts, kv_tokens, first, seq, future)
+        admission = _Admission(key, parts, kv_tokens, first, seq, future, background)
         self._command(lambda: self._waiting.append(admission), future, "open", key)
         return await future
 
@@ -472,7 +479,7 @@ class BatchEngine:
             except Exception as exc:
                 _notify(admission.future, exc=exc)
                 continue
-            self._slots[admission.key] = _Slot(kv, admission.kv_tokens, admission.seq)
+            self._slots[admission.key] = _Slot(kv, admission.kv_tokens, admission.seq, admission.background)
             self.kv_used_tokens += admission.first_tokens
             self._record("admitted", t_ns=time.time_ns(), key=admission.key, tokens=admission.first_tokens)
             if admission.seq is not None:
@@ -537,27 +544,53 @@ class BatchEngine:
                                     f"({self.config.kv_budget_tokens} tokens) is full"))
 
     def _schedule(self) -> list[tuple[_Work, int]]:
-        """Decode tokens first (latency), then longer work in arrival order, split to fit the budget."""
+        """Decode tokens first (latency), then longer work, split to fit the budget: in queue order, or
+        (`long_work_by_admission`) in the order its requests were admitted, background work last."""
         for work in self._work:
             if work.key not in self._slots:
                 work.fed = len(work.feed_ids)  # done with: dropped below
                 _notify(work.future, exc=KVPreempted(f"{work.key} was preempted") if work.key in self._preempted
                         else NotAdmitted(f"{work.key} holds no KV here"))
         self._work = self._coalesced([w for w in self._work if w.left and not w.future.cancelled()])
-        budget = self.config.max_batch_tokens
-        batch: list[tuple[_Work, int]] = []
         firsts: dict[str, _Work] = {}  # one row per request, its oldest work: the next waits for the next step
         for work in self._work:
             firsts.setdefault(work.key, work)
-        for work in sorted(firsts.values(), key=lambda w: w.left > 1):
-            if budget == 0:
+        admitted = {key: i for i, key in enumerate(self._slots)} if self.config.long_work_by_admission else {}
+        budget = float(self.config.max_batch_tokens)
+        batch: list[tuple[_Work, int]] = []
+        long_rows = 0
+        for work in sorted(firsts.values(), key=lambda w: (w.left > 1, self._slots[w.key].background,
+                                                           admitted.get(w.key, 0))):
+            if budget < 1:
                 break
             if work.unfeed and not self._unfeed(work):
                 continue
-            take = min(work.left, budget)
+            if work.left == 1 or long_rows == 0:  # the first long row is cut by tokens: it never waits on others
+                take = min(work.left, int(budget))
+            else:
+                take = self._fitting(work, budget)
+                if take == 0:
+                    continue
+            long_rows += work.left > 1
             batch.append((work, take))
-            budget -= take
+            budget -= self._cost(work, take)
         return batch
+
+    def _cost(self, work: _Work, take: int) -> float:
+        """What feeding `take` tokens of the work costs the step's budget: a token each, and with
+        `attention_cost_tokens` C, a fed token over a context of n positions counts 1 + n / C."""
+        c = self.config.attention_cost_tokens
+        if c <= 0 or take <= 1:
+            return float(take)
+        return take * (1 + (self._slots[work.key].kv.length + take / 2) / c)
+
+    def _fitting(self, work: _Work, budget: float) -> int:
+        """The most tokens of the work whose cost fits the budget (the inverse of _cost)."""
+        c = self.config.attention_cost_tokens
+        if c <= 0:
+            return min(work.left, int(budget))
+        b = 1 + self._slots[work.key].kv.length / c  # cost(t) = t * (b + t / 2c)
+        return min(work.left, int(c * (math.sqrt(b * b + 2 * budget / c) - b)))
 
     @staticmethod
     def _coalesced(works: list[_Work]) -> list[_Work]:

@@ -199,6 +199,8 @@ class EngineConfig:
                                   "this JSON-lines file, for latency debugging (docs/observability.md)",
                               name="engine-timeline")
     torch_threads: int = 0  # from ModelConfig's --torch-threads
+    long_work_by_admission: bool = False  # P: prompts' chunks in the order the prompts came, not queue order
+    attention_cost_tokens: int = 0  # P's --attention-cost-tokens; 0: the budget counts tokens only
 
 
 def _engine(ns: argparse.Namespace, **given: Any) -> EngineConfig:
@@ -241,6 +243,12 @@ class PrefillConfig:
                               choices=choices(DType, ""))
     kv_stall_timeout_s: float = _kv_stall_timeout_s()
     kv_secret_file: str = _kv_secret_file()
+    attention_cost_tokens: int = flag(1024, "a step's --max-batch-tokens counts a prompt token over a cached "
+                                            "context of n positions as 1 + n / this, for every prompt but the "
+                                            "oldest one in the step (whose chunk goes whole), so a later "
+                                            "prompt's long-context tokens cannot slow an earlier prompt's chunk "
+                                            "(attention over about 1,000 positions costs as much as the rest of a "
+                                            "token's forward on a CPU: raise it on a GPU; 0: count tokens only)")
     engine: EngineConfig = EngineConfig()
 
     @classmethod
@@ -259,8 +267,9 @@ class PrefillConfig:
         model = from_flags(ModelConfig, ns)
         return from_flags(cls, ns, common=_common(ns, Role.PREFILL), model=model, cache=from_flags(CacheConfig, ns),
                           kv_wire_dtype=ns.kv_wire_dtype or model.dtype,
-                          engine=_engine(ns, kv_budget_tokens=0, kv_grow_tokens=0))  # no limit: P's prompts
-                                                                                      # are sized up front
+                          # no KV limit: P's prompts are sized up front; their chunks in the order they came
+                          engine=_engine(ns, kv_budget_tokens=0, kv_grow_tokens=0, long_work_by_admission=True,
+                                         attention_cost_tokens=ns.attention_cost_tokens))
 
 
 @dataclass(frozen=True)

@@ -709,3 +709,62 @@ async def test_an_engine_without_a_timeline_writes_none(runner, prompts, tmp_pat
         assert await decode(engine, seq, prompt_kv(runner, prompts[1]))
         engine.mark("r", "ignored")
     assert engine.timeline is None and not list(tmp_path.iterdir())
+
+
+def step_rows(path) -> list[list[tuple[str, int]]]:
+    """Each step's rows from a timeline: (request, tokens fed)."""
+    return [[(row[0], row[1]) for row in e["rows"]] for e in read_timeline(path) if e["kind"] == "step"]
+
+
+@pytest.mark.parametrize("by_admission", [False, True])
+async def test_long_work_goes_in_admission_order_on_p_and_background_work_last(runner, prompts, tmp_path,
+                                                                              by_admission):
+    """P's engine takes prompts' chunks in the order the prompts were admitted (a later prompt's
+    chunk queued first waits), a background prompt's (a warm-up) after everyone's; a decoder's
+    engine keeps queue order. The KV each returns equals the prompt computed alone."""
+    path = tmp_path / "engine.jsonl"
+    ids = {"warm": prompts[5][:17], "old": prompts[3][:17], "new": prompts[6][:17]}
+    with engine_with(runner, max_batch_tokens=16, long_work_by_admission=by_admission,
+                     timeline_path=str(path)) as engine:
+        for key in ids:
+            await engine.open(key, [], 16, background=key == "warm")
+        with engine_paused(engine):
+            await asyncio.sleep(0.05)
+            futures = {key: engine.submit(key, ids[key][:16], sample=False, return_kv=True)
+                       for key in ("new", "warm", "old")}
+        kvs = {key: await future for key, future in futures.items()}
+        for key in ids:
+            engine.release(key)
+    expected = ["old", "new", "warm"] if by_admission else ["new", "old", "warm"]
+    assert step_rows(path) == [[(key, 16)] for key in expected]
+    for key, kv in kvs.items():
+        torch.testing.assert_close(kv, prompt_kv(runner, ids[key])[0], rtol=1e-5, atol=1e-5)
+
+
+async def test_attention_cost_lets_a_long_context_row_take_only_what_its_attention_leaves_room_for(runner, prompts,
+                                                                                                   tmp_path):
+    """With `attention_cost_tokens` C, the oldest prompt's chunk goes whole and a later prompt over
+    a long cached context gets the budget that chunk leaves, each of its tokens counted 1 + n / C:
+    here 32 tokens over 0 positions cost 32 * (1 + 16/32) = 48 of 64, leaving 16, in which a row
+    over 96 positions fits 3 tokens (3 * (1 + 97.5/32) = 12.1; 4 would cost 16.4). Without C it
+    would take all 32. Split across steps, its KV equals the prompt computed alone."""
+    rng = random.Random(11)
+    vocab = runner.config.vocab_size
+    cold, warm = ([rng.randrange(vocab) for _ in range(n)] for n in (33, 129))
+    path = tmp_path / "engine.jsonl"
+    with engine_with(runner, max_batch_tokens=64, attention_cost_tokens=32, long_work_by_admission=True,
+                     timeline_path=str(path)) as engine:
+        await engine.open("cold", [], 32)
+        await engine.open("warm", [prompt_kv(runner, warm[:97])[0]], 128)
+        with engine_paused(engine):
+            await asyncio.sleep(0.05)
+            warm_future = engine.submit("warm", warm[96:128], sample=False, return_kv=True)
+            cold_future = engine.submit("cold", cold[:32], sample=False, return_kv=True)
+        cold_kv, warm_kv = await cold_future, await warm_future
+        engine.release("cold")
+        engine.release("warm")
+    rows = step_rows(path)
+    assert rows[0] == [("cold", 32), ("warm", 3)]
+    assert rows[1] == [("warm", 29)], "alone, the oldest row goes whole"
+    torch.testing.assert_close(cold_kv, prompt_kv(runner, cold)[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(warm_kv, prompt_kv(runner, warm)[0][:, :, :, 96:], rtol=1e-5, atol=1e-5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from contextlib import aclosing
 from types import SimpleNamespace
 
 import openai
@@ -14,7 +15,7 @@ import torch
 
 from services.gateway.run.attempt import Attempt, GenerationRequest
 from services.gateway.run.request_run import RequestRun, RunPhase
-from services.prefill.prefiller import Prefiller, chunk_ranges
+from services.prefill.prefiller import Prefiller
 from shared import messages
 from shared.batch_engine import BatchEngine
 from shared.config import CommonConfig, EngineConfig, GatewayConfig
@@ -57,9 +58,9 @@ async def prefill_scored(prefiller: Prefiller, key: str, prompt_ids: list[int], 
     await prefiller.open(key, kv_tokens)
     try:
         scored: list[TokenLogprob] = []
-        for chunk in chunk_ranges(kv_tokens, prefiller.chunk_tokens):
-            _, logprobs, _, _ = await prefiller.compute_scored_chunk(key, prompt_ids, chunk, top_n)
-            scored += logprobs
+        async with aclosing(prefiller.chunks(key, prompt_ids, 0, top_n)) as chunks:
+            async for chunk in chunks:
+                scored += chunk.logprobs
         return scored
     finally:
         prefiller.release(key)
@@ -90,8 +91,8 @@ async def test_chunked_prompt_logprobs_equal_transformers_forward_beside_other_w
         async def unscored() -> None:
             await prefiller.open("plain", len(other_ids) - 1)
             try:
-                for chunk in chunk_ranges(len(other_ids) - 1, 64):
-                    await prefiller.compute_chunk("plain", other_ids, chunk)
+                async with aclosing(prefiller.chunks("plain", other_ids, 0)) as chunks:
+                    assert all([chunk.logprobs is None async for chunk in chunks])
             finally:
                 prefiller.release("plain")
 

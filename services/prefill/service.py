@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from contextlib import aclosing
 
 import torch
 
@@ -32,7 +33,7 @@ from shared.cache_worker import CacheWorker
 from shared.radix_cache import INDEX_BLOCK_TOKENS, CacheEvent, RadixCache
 from shared.service_runtime import ServiceFailure, heartbeat_loop, now
 from services.prefill.job import Phase, PrefillJob
-from services.prefill.prefiller import Prefiller, chunk_ranges
+from services.prefill.prefiller import Prefiller
 
 log = logging.getLogger(__name__)
 ROLE = Role.PREFILL
@@ -148,11 +149,9 @@ class PrefillService:
         try:
             job.move(Phase.COMPUTING)
             prefix_kv = await self.cache.call(self.cache.tree.pieces, job.prefix) if hit else []
-            await self.prefiller.open(req.request_id, len(kv_ids), prefix_kv)
-            computed: list[torch.Tensor] = []
-            for chunk in chunk_ranges(len(kv_ids), self.config.chunk_tokens, start=hit):
-                kv, _, _ = await self.prefiller.compute_chunk(req.request_id, kv_ids, chunk)
-                computed.append(kv)
+            await self.prefiller.open(req.request_id, len(kv_ids), prefix_kv, background=True)
+            async with aclosing(self.prefiller.chunks(req.request_id, req.prompt_ids, hit)) as chunks:
+                computed = [chunk.kv async for chunk in chunks]
             job.move(Phase.SENDING)
             self.prefiller.release(req.request_id)
             if computed:
@@ -288,22 +287,21 @@ class PrefillService:
                         start += piece.shape[3]
                 else:
                     await self.prefiller.open(req.request_id, len(kv_ids))
-                for chunk in chunk_ranges(len(kv_ids), self.config.chunk_tokens, start=hit):
-                    with self.tracer.start_as_current_span("prefill.chunk") as chunk_span:
-                        chunk_span.set_attributes({"pdd.token_start": chunk[0], "pdd.token_end": chunk[1]})
-                        if req.prompt_logprobs is None:
-                            kv, submitted_ns, started_ns = await self.prefiller.compute_chunk(
-                                req.request_id, kv_ids, chunk)
-                        else:
-                            kv, logprobs, submitted_ns, started_ns = await self.prefiller.compute_scored_chunk(
-                                req.request_id, req.prompt_ids, chunk, req.prompt_logprobs)
-                            await bus.publish(self.nc, events, PromptLogprobs(req.request_id, chunk[0] + 1, logprobs))
-                        chunk_span.set_attribute("pdd.queue_s", (started_ns - submitted_ns) / 1e9)
-                    if chunk[0] == hit:  # the first chunk's wait for the engine is the request's queueing
-                        tracing.record_span(self.tracer, "prefill.queue", submitted_ns, started_ns,
-                                            {"pdd.engine_queued": self.engine.queued})
-                    computed.append(kv)
-                    await job.queue_kv(chunk, kv)
+                async with aclosing(self.prefiller.chunks(req.request_id, req.prompt_ids, hit,
+                                                          req.prompt_logprobs)) as chunks:
+                    async for chunk in chunks:
+                        start, end = chunk.span
+                        tracing.record_span(self.tracer, "prefill.chunk", chunk.ready_ns, time.time_ns(), {
+                            "pdd.token_start": start, "pdd.token_end": end,
+                            "pdd.queue_s": (chunk.started_ns - chunk.ready_ns) / 1e9})
+                        if start == hit:  # the first chunk's wait for the engine is the request's queueing
+                            tracing.record_span(self.tracer, "prefill.queue", chunk.ready_ns, chunk.started_ns,
+                                                {"pdd.engine_queued": self.engine.queued})
+                        if chunk.logprobs is not None:
+                            await bus.publish(self.nc, events, PromptLogprobs(req.request_id, start + 1,
+                                                                              chunk.logprobs))
+                        computed.append(chunk.kv)
+                        await job.queue_kv(chunk.span, chunk.kv)
                 prefill_s = time.monotonic() - t0
                 job.move(Phase.SENDING)
                 self.metrics.prefill_time.observe(prefill_s)
