@@ -1,12 +1,11 @@
 """The batch engine: one thread that runs every request's model work in shared forward passes.
 
 Requests join and leave the running batch at every step. A step takes the pending work (decode
-tokens first, then extend and prefill tokens, split to fit `max_batch_tokens`; P's long work in
-the order its requests were admitted, background work last, a row's attention over its cached
-context weighed against the budget), runs ONE packed
-forward over it and resolves each caller's asyncio future on its own loop. The engine also owns
-the KV: a budget of tokens, admission in arrival order while the budget has room, and exactly one
-free per request. A decoding request's KV grows as it decodes, by `kv_grow_tokens` or a quarter of
+tokens first, then extend and prefill tokens, split to fit `max_batch_tokens`; on P, longer work
+in the order its requests were admitted, background work last, each later row's attention over
+its cached context weighed against the budget), runs ONE packed forward over it and resolves
+each caller's asyncio future on its own loop. The engine also owns the KV: a budget of tokens,
+admission in arrival order while the budget has room, and exactly one free per request. A decoding request's KV grows as it decodes, by `kv_grow_tokens` or a quarter of
 what it holds (so a default max_tokens of the whole context costs only what is used); when a
 step's growth does not fit the budget, the newest requests are preempted (KVPreempted, as vLLM
 does: the gateway restarts them with the tokens they made). asyncio code never runs a forward; it
@@ -578,9 +577,10 @@ class BatchEngine:
 
     def _cost(self, work: _Work, take: int) -> float:
         """What feeding `take` tokens of the work costs the step's budget: a token each, and with
-        `attention_cost_tokens` C, a fed token over a context of n positions counts 1 + n / C."""
+        `attention_cost_tokens` C, a fed token over a context of n positions counts 1 + n / C (a
+        one-token decode step counts 1)."""
         c = self.config.attention_cost_tokens
-        if c <= 0 or take <= 1:
+        if c <= 0 or work.left <= 1:
             return float(take)
         return take * (1 + (self._slots[work.key].kv.length + take / 2) / c)
 

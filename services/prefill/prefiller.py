@@ -88,8 +88,8 @@ class Prefiller:
                 previous_done_ns = done_ns
         finally:
             for _, task in queued:
-                if not task.cancel() and not task.cancelled():  # it already ended: its failure is the caller's, not a stray warning
-                    task.exception()
+                if not task.cancel() and not task.cancelled():
+                    task.exception()  # it had ended: its failure is the caller's, not an unretrieved warning
 
     async def _compute(self, request_id: str, prompt_ids: list[int], span: tuple[int, int],
                        top_n: int | None) -> tuple[tuple[torch.Tensor, list[TokenLogprob] | None], int, int]:
