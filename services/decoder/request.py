@@ -77,6 +77,7 @@ class DecodeRequest:
     task: asyncio.Task | None = None
     span: trace.Span | None = None  # `<role>.request`, for an abort to mark
     cut_announced: bool = False  # MD: RLD said its cut is on the way (CutComing)
+    cut_sent: bool = False  # RLD: its final handoff went out; MD alone makes the rest
     backfill: bool = False  # MD: RLD finished it; MD only waits for its KV to keep it (not the gateway's any more)
 
     @property

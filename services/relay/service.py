@@ -66,9 +66,9 @@ class RelayRole(CachingRole):
         except PddError:
             return
         request = io.find(lost.request_id)
-        if request is None:
-            # RLD let the request go (it made its final handoff); MD, now lost, had it alone.
-            # Say so, or the gateway would wait for tokens nobody makes until the deadline.
+        if request is None or request.cut_sent:
+            # RLD handed off (it may still hold the request while it keeps its KV); MD, now lost, had
+            # it alone. Say so, or the gateway would wait for tokens nobody makes until the deadline.
             await io.publish(subjects.request_events(lost.request_id), RequestFailed(
                 lost.request_id, self.role, RequestAborted.code, "RLD no longer holds the request: it had handed off"))
             return
@@ -162,6 +162,7 @@ class RelayRole(CachingRole):
         with io.tracer.start_as_current_span("relay.handoff_chunk") as span:
             span.set_attributes({"pdd.start": decision.start, "pdd.end": decision.end, "pdd.final": final})
             if final:
+                request.cut_sent = True  # before the publish yields: a MainLost from now on finds it
                 io.metrics.handoffs.labels(plan.mode.value).inc()
                 io.mark(request, "cut_sent", eager_tokens=decision.end)
             await io.publish(subjects.handoff(request.assign.main_instance), Handoff(
