@@ -5,11 +5,11 @@ tokens first, then extend and prefill tokens, split to fit `max_batch_tokens`; o
 in the order its requests were admitted, background work last, each later row's attention over
 its cached context weighed against the budget), runs ONE packed forward over it and resolves
 each caller's asyncio future on its own loop. The engine also owns the KV: a budget of tokens,
-admission in arrival order while the budget has room, and exactly one free per request. A decoding request's KV grows as it decodes, by `kv_grow_tokens` or a quarter of
-what it holds (so a default max_tokens of the whole context costs only what is used); when a
-step's growth does not fit the budget, the newest requests are preempted (KVPreempted, as vLLM
-does: the gateway restarts them with the tokens they made). asyncio code never runs a forward; it
-awaits futures.
+admission in arrival order while the budget has room, and exactly one free per request. A
+decoding request's KV grows as it decodes, by `kv_grow_tokens` or a quarter of what it holds (so
+a default max_tokens of the whole context costs only what is used); when a step's growth does not
+fit the budget, the newest requests are preempted (KVPreempted, as vLLM does: the gateway
+restarts them with the tokens they made). asyncio code never runs a forward; it awaits futures.
 """
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ class RelayRole(CachingRole):
             # RLD handed off (it may still hold the request while it keeps its KV); MD, now lost, had
             # it alone. Say so, or the gateway would wait for tokens nobody makes until the deadline.
             await io.publish(subjects.request_events(lost.request_id), RequestFailed(
-                lost.request_id, self.role, RequestAborted.code, "RLD no longer holds the request: it had handed off"))
+                lost.request_id, self.role, RequestAborted.code, "RLD had handed the request off to MD"))
             return
         log.warning("%s: MD lost (%s); RLD finishes the request", lost.request_id, lost.reason)
         self.finished_without_main += 1
