@@ -31,6 +31,13 @@ class PeerGone(PddError):
     code = "peer_unavailable"
 
 
+class InstanceStopping(PeerGone):
+    """The instance reporting it cannot go on (its engine thread died) and is stopping: it will serve
+    nothing more, whatever its last heartbeat or ping answer said."""
+
+    code = "instance_stopping"
+
+
 class DeadlineExceeded(PddError):
     """A wait on a peer ran past its deadline."""
 

@@ -23,6 +23,7 @@ from nats.aio.client import Client as NATS
 
 from shared import bus, messages, subjects, tracing
 from shared.config import CommonConfig
+from shared.errors import InstanceStopping
 from shared.messages import Heartbeat
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,15 @@ class ServiceFailure:
         await self._event.wait()
         return self.reason or ""
 
+    def reported(self, code: str, message: str) -> tuple[str, str]:
+        """A request's failure as the service reports it (code, message): once the service cannot
+        go on, any failure is its stopping, so the gateway moves the request elsewhere rather than
+        back to an instance that may answer pings for a moment longer. The engine settles a dead
+        loop's futures after calling `fail`, on the same loop, so their failures see it set."""
+        if self.reason is None:
+            return code, message
+        return InstanceStopping.code, f"{message} (the instance is stopping: {self.reason})"
+
 
 def setup_logging(level: str, instance_id: str) -> None:
     logging.basicConfig(
@@ -81,22 +91,34 @@ def setup_logging(level: str, instance_id: str) -> None:
         format=f"%(asctime)s %(levelname)s {instance_id} %(name)s: %(message)s")
 
 
-async def heartbeat_loop(nc: NATS, role: str, interval_s: float, describe: Callable[[], Heartbeat]) -> None:
+async def heartbeat_loop(nc: NATS, role: str, interval_s: float, describe: Callable[[], Heartbeat],
+                         failure: ServiceFailure | None = None) -> None:
     """Announce this instance every interval (the gateway forgets instances that go quiet) and answer
-    liveness pings with a heartbeat (a dead instance's ping subject has no responders at once)."""
+    liveness pings with a heartbeat (a dead instance's ping subject has no responders at once).
+    Once `failure` is set, both stop at once, before the service's stop: an instance that cannot go
+    on must not look alive, and its pings find nobody, as a dead one's do."""
     async def on_ping(msg) -> None:
         await msg.respond(messages.encode(describe()))
 
-    await nc.subscribe(subjects.ping(role, describe().instance_id), cb=on_ping)
-    while True:
-        if nc.is_connected:
-            try:
-                await bus.publish(nc, subjects.heartbeat(role), describe())
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a missed beat is retried next interval
-                log.debug("heartbeat not sent: %s", exc)
-        await asyncio.sleep(interval_s)
+    pings = await nc.subscribe(subjects.ping(role, describe().instance_id), cb=on_ping)
+    failed = asyncio.ensure_future(failure.wait() if failure is not None else asyncio.Event().wait())
+    try:
+        while not failed.done():
+            if nc.is_connected:
+                try:
+                    await bus.publish(nc, subjects.heartbeat(role), describe())
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # a missed beat is retried next interval
+                    log.debug("heartbeat not sent: %s", exc)
+            await asyncio.wait({failed}, timeout=interval_s)
+        log.warning("%s: no more heartbeats or ping answers: the service is stopping", role)
+        try:
+            await pings.unsubscribe()
+        except Exception as exc:  # the connection is closing: its subscriptions go with it
+            log.debug("ping subscription not closed: %s", exc)
+    finally:
+        failed.cancel()
 
 
 def now() -> float:

@@ -3,7 +3,10 @@ the process stops and exits with status 1, so a supervisor sees it gone, and the
 moves on (to RLD, the only decoder left) instead of hanging on an engine nobody runs.
 
 The bug is put into a restarted MD through a `sitecustomize` module on its PYTHONPATH: the
-engine's scheduler raises at the first step that has work. Nothing else is mocked."""
+engine's scheduler raises at the first step that has work, and the service's stop starts a second
+late, as on a loaded machine (CI): the request's failure reaches the gateway while the process is
+still there, and must say it is stopping, or the gateway, seeing MD answer its pings, gives it the
+request again. Nothing else is mocked."""
 from __future__ import annotations
 
 import asyncio
@@ -33,6 +36,19 @@ def _broken(self, batch):
 
 
 batch_engine.BatchEngine._make_room = _broken
+
+import asyncio
+from services.decoder import service
+
+_stop = service.DecoderService.stop
+
+
+async def _late_stop(self):
+    await asyncio.sleep(1.0)
+    await _stop(self)
+
+
+service.DecoderService.stop = _late_stop
 '''
 
 
@@ -60,6 +76,7 @@ async def test_an_md_whose_engine_dies_exits_with_status_1_and_its_request_moves
     await stack.restart("main")
     monkeypatch.undo()  # only the restarted MD gets the bug
     await fresh_heartbeats(stack.nats_url)  # the broken MD is up and beating: its loop is fine until work comes
+    await asyncio.sleep(1.0)  # and the gateway has had its pings answered (every 0.25 s): it looks busy, not gone
 
     prompt = random_prompt(41, 60)
     body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "pdd": {"pipeline": "p-md"}}

@@ -12,7 +12,7 @@ from services.gateway.run.attempt import Attempt, AttemptPhase, GenerationReques
 from services.gateway.run.request_run import RequestRun, RunPhase
 from shared import messages, subjects
 from shared.config import CommonConfig, GatewayConfig
-from shared.errors import DeadlineExceeded, KVPreempted, PeerGone, RequestAborted
+from shared.errors import DeadlineExceeded, InstanceStopping, KVPreempted, PeerGone, RequestAborted
 from shared.messages import (
     Handoff,
     HandoffStats,
@@ -238,6 +238,29 @@ async def test_an_aborted_code_does_not_blame_the_instance():
     run, _ = await start_run(dispatch)
     await feed(run, failed(run, Role.MAIN, RequestAborted.code))
     assert dispatch.started[1][2] == set() and len(run.migrations) == 1
+
+
+async def test_an_instance_that_says_it_is_stopping_is_dropped_before_the_migration_picks_again():
+    """Else, answering pings for a moment longer, the only MD would look busy and get the request back."""
+    dispatch = FakeDispatch(Pipeline.P_MD, Pipeline.P_RLD)
+    order: list[str] = []
+    started = dispatch.start
+
+    async def start(*args):
+        order.append("dispatch")
+        return await started(*args)
+
+    nc = FakeNats()
+    req = GenerationRequest(REQ_ID, list(PROMPT), SamplingParams(max_tokens=20), None, None, 0.0)
+    run = RequestRun(nc, req, CONFIG, start, dispatch.stop, on_gone=lambda instance: order.append(instance),
+                     on_lost=lambda tier, how: order.append(f"{tier} {how}"))
+    await run.start()
+    await feed(run, failed(run, Role.MAIN, InstanceStopping.code))
+    assert order == ["dispatch", "md-0", "main gone", "dispatch"] and len(run.migrations) == 1
+    # P's report of a path it sends KV on says nothing of that path's instance, whatever the code
+    await feed(run, RequestFailed(run.attempt.request_id, Role.PREFILL, InstanceStopping.code, "P stops",
+                                  path=Role.RELAY))
+    assert "rld-1" not in order and order[-2:] == ["relay failed", "dispatch"]
 
 
 async def test_migrations_stop_at_the_limit():

@@ -1,11 +1,23 @@
 """shared/service_runtime.py: a service that says it cannot go on (its engine thread died) is
-stopped in order and its process exits with status 1, so a supervisor sees it gone."""
+stopped in order and its process exits with status 1, so a supervisor sees it gone; from the moment
+it says so, it neither beats nor answers pings, and reports its requests' failures as its stopping.
+The heartbeat test runs on a real nats-server."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import threading
+import time
+from collections.abc import AsyncIterator
 
-from shared.service_runtime import ServiceFailure, run_service
+import pytest
+
+from shared import bus, messages, subjects
+from shared.errors import InstanceStopping
+from shared.messages import Heartbeat
+from shared.service_runtime import ServiceFailure, heartbeat_loop, run_service
+from tools.nats_config import find_nats_server
+from tools.stack_config import LOOPBACK, free_port
 
 
 class Recorder:
@@ -36,3 +48,60 @@ async def test_a_failure_before_the_loop_runs_is_kept_for_it() -> None:
     service = Recorder(fail_before_start=True)
     assert await asyncio.wait_for(run_service(service, "test"), 10) == 1
     assert service.failure.reason == "died while loading", "the first reason wins"
+
+
+def test_once_failed_a_requests_failure_is_reported_as_the_instance_stopping() -> None:
+    failure = ServiceFailure()
+    assert failure.reported("not_admitted", "the engine stopped") == ("not_admitted", "the engine stopped")
+    failure._set("the engine thread died")  # what `fail` schedules on the service's loop
+    code, message = failure.reported("not_admitted", "the engine stopped")
+    assert code == InstanceStopping.code and "the engine stopped" in message and "the engine thread died" in message
+
+
+@pytest.fixture
+async def nats_url(tmp_path) -> AsyncIterator[str]:
+    port = free_port()
+    server = subprocess.Popen([str(find_nats_server()), "-a", LOOPBACK, "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"nats://{LOOPBACK}:{port}"
+        async with asyncio.timeout(10):
+            while True:
+                try:
+                    await (await bus.connect(url, "probe")).close()
+                    break
+                except Exception:
+                    await asyncio.sleep(0.05)
+        yield url
+    finally:
+        server.kill()
+        server.wait()
+
+
+async def test_a_failed_service_stops_beating_and_its_pings_find_nobody_at_once(nats_url) -> None:
+    """Before its stop (which may take a while): the gateway must not see it alive and give it work."""
+    service_nc, gateway_nc = await bus.connect(nats_url, "service"), await bus.connect(nats_url, "gateway")
+    failure = ServiceFailure()
+    failure.bind()
+    beats: list[float] = []
+
+    async def on_beat(msg) -> None:
+        beats.append(messages.decode(msg.data).sent_at)
+
+    await gateway_nc.subscribe(subjects.heartbeat("main"), cb=on_beat)
+    await gateway_nc.flush()  # the server has the subscription before the first beat
+    describe = lambda: Heartbeat("main", "main-1", "127.0.0.1", 1, "tiny", 0, 0, time.time())  # noqa: E731
+    beating = asyncio.create_task(heartbeat_loop(service_nc, "main", 60.0, describe, failure))
+    try:
+        async with asyncio.timeout(5):
+            while not beats:  # the first beat goes at once; the next would be a minute later
+                await asyncio.sleep(0.01)
+        assert await bus.ping(gateway_nc, subjects.ping("main", "main-1"), 1.0) is True
+        failure.fail("the engine thread died")
+        await asyncio.wait_for(beating, 2.0)  # it ends at once, not at the next beat
+        assert await bus.ping(gateway_nc, subjects.ping("main", "main-1"), 1.0) is False, "nobody answers"
+        assert service_nc.is_connected, "the connection itself is the service's stop to close"
+    finally:
+        beating.cancel()
+        await service_nc.close()
+        await gateway_nc.close()

@@ -86,7 +86,8 @@ class DecoderService:
         await self.nc.subscribe(subjects.abort(), cb=self._on_abort)
         await self.role.subscribe(self)
         self._tasks.add(asyncio.create_task(
-            heartbeat_loop(self.nc, self.name, self.config.common.heartbeat_s, self._describe)))
+            heartbeat_loop(self.nc, self.name, self.config.common.heartbeat_s, self._describe,
+                           self.failure)))
 
     async def stop(self) -> None:
         self.loop_lag.stop()
@@ -214,6 +215,7 @@ class DecoderService:
 
     async def _publish_failure(self, request: DecodeRequest, code: str, message: str) -> None:
         try:
+            code, message = self.failure.reported(code, message)
             await bus.publish(self.nc, request.events_subject, RequestFailed(request.request_id, self.name, code, message))
         except Exception as exc:  # the gateway's own deadline still ends the request
             log.warning("could not report failure of %s: %s", request.request_id, exc)

@@ -84,7 +84,8 @@ class PrefillService:
         await self.nc.subscribe(subjects.abort(), cb=self._on_abort)
         await self.nc.subscribe(subjects.release_kv(self.instance_id), cb=self._on_release)
         self._tasks.add(asyncio.create_task(
-            heartbeat_loop(self.nc, ROLE, self.config.common.heartbeat_s, self._describe)))
+            heartbeat_loop(self.nc, ROLE, self.config.common.heartbeat_s, self._describe,
+                           self.failure)))
 
     async def stop(self) -> None:
         self.loop_lag.stop()
@@ -335,8 +336,8 @@ class PrefillService:
             if job.ended:  # only publishing the outcome failed
                 return
             job.move(Phase.FAILED)
-            code = exc.code if isinstance(exc, PddError) else "prefill_failed"
-            await bus.publish(self.nc, events, RequestFailed(req.request_id, ROLE, code, str(exc)))
+            code, message = self.failure.reported(exc.code if isinstance(exc, PddError) else "prefill_failed", str(exc))
+            await bus.publish(self.nc, events, RequestFailed(req.request_id, ROLE, code, message))
         finally:
             self.prefiller.release(req.request_id)  # idempotent: frees the prompt's KV once on every path
             if job.prefix is not None and self.cache is not None:

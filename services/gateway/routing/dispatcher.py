@@ -144,7 +144,7 @@ class Dispatcher:
         """Dispatch a new request; its RequestRun comes back here for each migration."""
         run = RequestRun(self.nc, req, self.config, self.dispatch, self.stop_attempt, is_alive=self.registry.is_alive,
                          on_prefill=self._observe_prefill, on_recovery=self._count_recovery,
-                         on_lost=self._count_loss)
+                         on_lost=self._count_loss, on_gone=self.registry.mark_gone)
         await run.start()
         return run
 

@@ -8,7 +8,8 @@ client's stream simply goes on. Every attempt ends with an Abort broadcast, so n
 state for an attempt the gateway has let go.
 
 A tier is lost in one of two ways: its instance is gone (the watchdog: no heartbeat and no
-answered ping, or a ping nobody is there to answer), or it failed the request (RequestFailed)
+answered ping, or a ping nobody is there to answer; or its own RequestFailed says it is stopping,
+InstanceStopping, and the registry drops it at once), or it failed the request (RequestFailed)
 while alive. An instance that failed a request is only avoided while others serve its role; when
 it is the only one, and still answers pings, it is busy, not gone, and gets the request again.
 
@@ -41,6 +42,7 @@ from shared import bus, messages, subjects, tracing
 from shared.config import GatewayConfig
 from shared.errors import (
     DeadlineExceeded,
+    InstanceStopping,
     KVPreempted,
     PddError,
     PeerGone,
@@ -103,7 +105,7 @@ _RUN_MOVES = {
 # Dispatches an attempt: (request, output offset, instances to avoid if others serve, event callback) -> Attempt
 StartAttempt = Callable[[GenerationRequest, int, set[str], Callable[[Msg], Awaitable[None]]], Awaitable[Attempt]]
 
-_FAILED_BY_CODE = {cls.code: cls for cls in (DeadlineExceeded, ProtocolError, PeerGone)}
+_FAILED_BY_CODE = {cls.code: cls for cls in (DeadlineExceeded, ProtocolError, PeerGone, InstanceStopping)}
 
 
 class RequestRun:
@@ -113,7 +115,8 @@ class RequestRun:
                  stop_attempt: Callable[[Attempt, str], Awaitable[None]], is_alive: Callable[[str], bool] | None = None,
                  on_prefill: Callable[[PrefillDone], None] | None = None,
                  on_recovery: Callable[[str], None] | None = None,
-                 on_lost: Callable[[Role, str], None] | None = None) -> None:
+                 on_lost: Callable[[Role, str], None] | None = None,
+                 on_gone: Callable[[str], None] | None = None) -> None:
         self.nc = nc
         self.request = req
         self.request_id = req.request_id
@@ -125,6 +128,7 @@ class RequestRun:
         self._on_prefill = on_prefill
         self._on_recovery = on_recovery
         self._on_lost = on_lost  # (tier, "gone" or "failed")
+        self._on_gone = on_gone  # told the id of an instance that said it is stopping (the registry drops it)
         self.phase = RunPhase.RUNNING
         self.first: Attempt | None = None
         self.attempt: Attempt | None = None
@@ -277,8 +281,12 @@ class RequestRun:
                                                      f"{self._prompt_missing} of the prompt's logprobs"))
                 self._finish("length")
         elif isinstance(event, RequestFailed):
-            await self._on_tier_lost(event.path or event.tier, f"{event.tier}: {event.message}", event.code,
-                                     gone=False)
+            tier = event.path or event.tier
+            stopping = event.code == InstanceStopping.code and tier == event.tier
+            instance = attempt.instances.get(tier)
+            if stopping and instance is not None and self._on_gone is not None:
+                self._on_gone(instance)  # before the migration picks: it must not be picked again
+            await self._on_tier_lost(tier, f"{event.tier}: {event.message}", event.code, gone=stopping)
         return []
 
     def _take_prompt_logprobs(self, event: PromptLogprobs) -> None:
