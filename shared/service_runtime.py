@@ -115,6 +115,7 @@ async def heartbeat_loop(nc: NATS, role: str, interval_s: float, describe: Calla
         log.warning("%s: no more heartbeats or ping answers: the service is stopping", role)
         try:
             await pings.unsubscribe()
+            await nc.flush(timeout=2)  # the server has it: pings find nobody from now on
         except Exception as exc:  # the connection is closing: its subscriptions go with it
             log.debug("ping subscription not closed: %s", exc)
     finally:

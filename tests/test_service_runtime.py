@@ -93,13 +93,16 @@ async def test_a_failed_service_stops_beating_and_its_pings_find_nobody_at_once(
     describe = lambda: Heartbeat("main", "main-1", "127.0.0.1", 1, "tiny", 0, 0, time.time())  # noqa: E731
     beating = asyncio.create_task(heartbeat_loop(service_nc, "main", 60.0, describe, failure))
     try:
-        async with asyncio.timeout(5):
-            while not beats:  # the first beat goes at once; the next would be a minute later
-                await asyncio.sleep(0.01)
-        assert await bus.ping(gateway_nc, subjects.ping("main", "main-1"), 1.0) is True
+        async with asyncio.timeout(5):  # it answers pings (its first beat went at once; the next is a minute away)
+            while await bus.ping(gateway_nc, subjects.ping("main", "main-1"), 0.5) is not True:
+                await asyncio.sleep(0.05)
         failure.fail("the engine thread died")
         await asyncio.wait_for(beating, 2.0)  # it ends at once, not at the next beat
-        assert await bus.ping(gateway_nc, subjects.ping("main", "main-1"), 1.0) is False, "nobody answers"
+        assert len(beats) <= 1, "no beat after the failure"
+        # nobody answers: NATS says so (a ping that times out, which the server now and then lets
+        # happen just after an unsubscribe, proves nothing either way; the gateway pings again)
+        answers = [await bus.ping(gateway_nc, subjects.ping("main", "main-1"), 0.5) for _ in range(3)]
+        assert False in answers and True not in answers, answers
         assert service_nc.is_connected, "the connection itself is the service's stop to close"
     finally:
         beating.cancel()
