@@ -34,9 +34,10 @@ class DecoderIO(Protocol):
 
     def find(self, request_id: str) -> DecodeRequest | None: ...
 
-    def assigning(self, request_id: str) -> asyncio.Queue | None:
-        """The peer-message queue of a request still being assigned here (its cached prefix being
-        looked up), for a peer's message that comes first; None otherwise."""
+    def keep_early(self, request_id: str, replay: Callable[[], Awaitable[None]]) -> None:
+        """A peer's message about a request not registered here yet (its assignment not handled, or
+        its cached prefix still being looked up): `replay` handles it again once the request is
+        registered, before any newer message (services/decoder/early_messages.py)."""
 
     async def subscribe(self, subject: str, handler: Callable[[Msg], Awaitable[None]]) -> None: ...
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from nats.aio.msg import Msg
 
+from services.decoder.early_messages import EarlyMessages
 from services.decoder.request import DecodeRequest, Phase
 from services.decoder.role import DecoderRole
 from shared import bus, messages, subjects, tracing
@@ -66,9 +67,7 @@ class DecoderService:
                                    limits=config.kv_limits)
         self.tracer = tracing.tracer(f"pdd.{self.name}")
         self.requests: dict[str, DecodeRequest] = {}
-        # requests whose assignment awaits the cache's prefix lookup: a peer may already speak of them
-        # (MD with the whole prompt cached reports its KV in at once, maybe before RLD registered it)
-        self._assigning: dict[str, asyncio.Queue] = {}
+        self.early = EarlyMessages()  # peers' messages about requests not registered here yet
         self._tasks: set[asyncio.Task] = set()
         self.metrics = decoder_metrics(self.name)
         self.metrics.track_load(lambda: len(self.requests), lambda: self.engine.queued)
@@ -102,7 +101,8 @@ class DecoderService:
             self.metrics_server.close()
 
     def _describe(self) -> Heartbeat:
-        stats = {"open_inboxes": len(self.receiver.inboxes), "kv_connections": self.receiver.open_connections,
+        stats = {"open_inboxes": len(self.receiver.inboxes), "early_messages": len(self.early),
+                 "early_replayed": self.early.replayed, "early_expired": self.early.expired, "kv_connections": self.receiver.open_connections,
                  "kv_refused_connections": self.receiver.refused_connections,
                  "kv_idle_closes": self.receiver.idle_closes, "kv_slow_closes": self.receiver.slow_closes,
                  "frames_dropped": self.receiver.frames_dropped, **self.engine.stats(), **self.role.stats()}
@@ -121,17 +121,14 @@ class DecoderService:
         except PddError as exc:
             await bus.reply_error(msg, exc)
             return
-        peer_messages: asyncio.Queue = asyncio.Queue()
-        self._assigning[assign.request_id] = peer_messages
-        try:
-            cached = await self.role.hold_prefix(assign)
-        finally:
-            del self._assigning[assign.request_id]
+        cached = await self.role.hold_prefix(assign)
         self.metrics.cache_hit_tokens.inc(cached)
         inbox = self.receiver.expect(assign.request_id, cached, assign.kv_tokens)
-        request = DecodeRequest(assign, inbox, tracing.extract(msg.headers), peer_messages=peer_messages)
+        request = DecodeRequest(assign, inbox, tracing.extract(msg.headers))
         self.requests[assign.request_id] = request
         request.task = asyncio.create_task(self._serve(request), name=f"{self.name}-{assign.request_id}")
+        for replay in self.early.take(assign.request_id):  # before anything newer: they came first
+            await replay()
         await msg.respond(messages.encode(DecodeAccepted(
             assign.request_id, self.instance_id, self.config.advertise_host, self.advertise_port, cached,
             backfill=assign.backfill and self.role.can_backfill())))
@@ -229,8 +226,8 @@ class DecoderService:
     def find(self, request_id: str) -> DecodeRequest | None:
         return self.requests.get(request_id)
 
-    def assigning(self, request_id: str) -> asyncio.Queue | None:
-        return self._assigning.get(request_id)
+    def keep_early(self, request_id: str, replay: Callable[[], Awaitable[None]]) -> None:
+        self.early.keep(request_id, replay)
 
     async def subscribe(self, subject: str, handler: Callable[[Msg], Awaitable[None]]) -> None:
         await self.nc.subscribe(subject, cb=handler)

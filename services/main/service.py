@@ -82,7 +82,8 @@ class MainRole(CachingRole):
         if not isinstance(handoff, Handoff | CutComing):
             return
         request = io.find(handoff.request_id)
-        if request is None:
+        if request is None:  # RLD, with the whole prompt cached, may stream before MD registered the request
+            io.keep_early(handoff.request_id, lambda: self._on_handoff(io, msg))
             return
         if isinstance(handoff, CutComing):
             io.mark(request, "cut_coming_received", in_s=handoff.in_s)

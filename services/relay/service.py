@@ -82,10 +82,8 @@ class RelayRole(CachingRole):
         except PddError:
             return
         request = io.find(ready.request_id)
-        if request is None:
-            early = io.assigning(ready.request_id)  # MD's KV was all cached there: it may report first
-            if early is not None:
-                early.put_nowait(ready)
+        if request is None:  # MD's KV was all cached there: it may report before RLD registered the request
+            io.keep_early(ready.request_id, lambda: self._on_kv_ready(io, msg))
             return
         request.peer_messages.put_nowait(ready)
         running = self._stepping.get(ready.request_id)

@@ -1,0 +1,61 @@
+"""Peer messages that reach a decoder before their request's assignment, kept until it is registered.
+
+The gateway assigns a request to MD and RLD at once, and nats-py serves each subscription from its
+own task, so a peer's message about a request can be handled before this decoder has handled, or
+finished handling, its DecodeAssign: MD with the whole prompt in its DRC reports its KV in
+(KVReady) at once; RLD with the whole prompt cached streams Catch-Up tokens (Handoff) from its
+first step. Dropping one loses the handoff: RLD waits for a report that never comes, or MD finds a
+gap in the tokens it adopts. So a role keeps such a message here (as the call that handles it
+again) and the shell replays what was kept, in arrival order, once the request is registered.
+
+A message for a request that never comes (a late one, for a request already let go here) is
+dropped `ttl_s` after it came; at most `max_kept` are kept, the oldest dropped first.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+
+Replay = Callable[[], Awaitable[None]]
+
+
+class EarlyMessages:
+    def __init__(self, ttl_s: float = 10.0, max_kept: int = 1024,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.max_kept = max_kept
+        self.clock = clock
+        self._kept: OrderedDict[int, tuple[str, float, Replay]] = OrderedDict()  # by arrival
+        self._next = 0
+        self.replayed = 0
+        self.expired = 0
+
+    def keep(self, request_id: str, replay: Replay) -> None:
+        """`replay` handles the message again; called once the request is registered, if it is."""
+        self._expire()
+        if len(self._kept) >= self.max_kept:
+            self._kept.popitem(last=False)
+            self.expired += 1
+        self._kept[self._next] = (request_id, self.clock(), replay)
+        self._next += 1
+
+    def take(self, request_id: str) -> list[Replay]:
+        """The request's kept messages, in arrival order; they are forgotten here."""
+        self._expire()
+        keys = [key for key, (kept_for, _, _) in self._kept.items() if kept_for == request_id]
+        replays = [self._kept.pop(key)[2] for key in keys]
+        self.replayed += len(replays)
+        return replays
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def _expire(self) -> None:
+        cutoff = self.clock() - self.ttl_s
+        while self._kept:
+            key, (_, kept_at, _) = next(iter(self._kept.items()))
+            if kept_at > cutoff:
+                return
+            del self._kept[key]
+            self.expired += 1
