@@ -16,7 +16,6 @@ half a second late. Nothing else is mocked.
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 
@@ -24,7 +23,7 @@ from tools.api_client import stream_completion
 from tools.launcher import LocalStack
 from tools.stack_config import StackConfig
 
-from helpers import fresh_heartbeats, random_prompt
+from helpers import fresh_heartbeats, random_prompt, restart_patched
 
 BEAT = ["--heartbeat-s", "0.25"]
 
@@ -54,16 +53,6 @@ async def stack(tmp_path_factory):
         yield running
 
 
-async def restart_late(stack, role: str, tmp_path, monkeypatch) -> None:
-    """`role` handles every DecodeAssign half a second late from now on (the others as before)."""
-    (tmp_path / "sitecustomize.py").write_text(LATE_ASSIGN)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path), prepend=os.pathsep)
-    await stack.restart(role)
-    monkeypatch.undo()
-    await fresh_heartbeats(stack.nats_url)
-    await asyncio.sleep(1.0)  # the gateway has pinged it: it is picked as any live instance
-
-
 async def complete(session, stack, prompt, max_tokens, **pdd):
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "pdd": {"pipeline": "p-rld-md", **pdd}}
@@ -73,7 +62,7 @@ async def complete(session, stack, prompt, max_tokens, **pdd):
 
 async def test_mds_report_before_a_late_rld_registered_the_request_is_kept_for_it(
         stack, session, tiny_generate, tmp_path, monkeypatch):
-    await restart_late(stack, "relay", tmp_path, monkeypatch)
+    await restart_patched(stack, "relay", LATE_ASSIGN, tmp_path, monkeypatch)
     before = (await fresh_heartbeats(stack.nats_url))["relay"].stats
     prompt = random_prompt(61, 80)
     for turn in range(2):  # the first puts the prompt in MD's DRC; the second hits it whole
@@ -88,7 +77,7 @@ async def test_mds_report_before_a_late_rld_registered_the_request_is_kept_for_i
 async def test_rlds_tokens_before_a_late_md_registered_the_request_are_kept_for_it(
         stack, session, tiny_generate, tmp_path, monkeypatch):
     await stack.restart("relay")  # on time again
-    await restart_late(stack, "main", tmp_path, monkeypatch)
+    await restart_patched(stack, "main", LATE_ASSIGN, tmp_path, monkeypatch)
     before = (await fresh_heartbeats(stack.nats_url))["main"].stats
     prompt = random_prompt(62, 80)
     for turn in range(2):  # the first puts the prompt in RLD's cache; the second starts decoding at once

@@ -10,7 +10,6 @@ request again. Nothing else is mocked."""
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 
@@ -18,7 +17,7 @@ from tools.api_client import stream_completion
 from tools.launcher import LocalStack
 from tools.stack_config import StackConfig
 
-from helpers import fresh_heartbeats, random_prompt
+from helpers import fresh_heartbeats, random_prompt, restart_patched
 
 BEAT = ["--heartbeat-s", "0.25"]
 
@@ -71,12 +70,8 @@ async def wait_exited(stack, role: str, timeout_s: float) -> int:
 
 async def test_an_md_whose_engine_dies_exits_with_status_1_and_its_request_moves_to_relay(
         stack, session, tiny_generate, tmp_path, monkeypatch):
-    (tmp_path / "sitecustomize.py").write_text(BROKEN_ENGINE)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path), prepend=os.pathsep)
-    await stack.restart("main")
-    monkeypatch.undo()  # only the restarted MD gets the bug
-    await fresh_heartbeats(stack.nats_url)  # the broken MD is up and beating: its loop is fine until work comes
-    await asyncio.sleep(1.0)  # and the gateway has had its pings answered (every 0.25 s): it looks busy, not gone
+    # the broken MD is up and beating (its loop is fine until work comes), and answers pings
+    await restart_patched(stack, "main", BROKEN_ENGINE, tmp_path, monkeypatch)
 
     prompt = random_prompt(41, 60)
     body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "pdd": {"pipeline": "p-md"}}

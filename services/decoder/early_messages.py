@@ -14,7 +14,6 @@ dropped `ttl_s` after it came; at most `max_kept` are kept, the oldest dropped f
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 Replay = Callable[[], Awaitable[None]]
@@ -26,8 +25,7 @@ class EarlyMessages:
         self.ttl_s = ttl_s
         self.max_kept = max_kept
         self.clock = clock
-        self._kept: OrderedDict[int, tuple[str, float, Replay]] = OrderedDict()  # by arrival
-        self._next = 0
+        self._kept: list[tuple[str, float, Replay]] = []  # (request id, kept at, replay), oldest first
         self.replayed = 0
         self.expired = 0
 
@@ -35,17 +33,17 @@ class EarlyMessages:
         """`replay` handles the message again; called once the request is registered, if it is."""
         self._expire()
         if len(self._kept) >= self.max_kept:
-            self._kept.popitem(last=False)
+            del self._kept[0]
             self.expired += 1
-        self._kept[self._next] = (request_id, self.clock(), replay)
-        self._next += 1
+        self._kept.append((request_id, self.clock(), replay))
 
     def take(self, request_id: str) -> list[Replay]:
         """The request's kept messages, in arrival order; they are forgotten here."""
         self._expire()
-        keys = [key for key, (kept_for, _, _) in self._kept.items() if kept_for == request_id]
-        replays = [self._kept.pop(key)[2] for key in keys]
-        self.replayed += len(replays)
+        replays = [replay for kept_for, _, replay in self._kept if kept_for == request_id]
+        if replays:
+            self._kept = [kept for kept in self._kept if kept[0] != request_id]
+            self.replayed += len(replays)
         return replays
 
     def __len__(self) -> int:
@@ -53,9 +51,6 @@ class EarlyMessages:
 
     def _expire(self) -> None:
         cutoff = self.clock() - self.ttl_s
-        while self._kept:
-            key, (_, kept_at, _) = next(iter(self._kept.items()))
-            if kept_at > cutoff:
-                return
-            del self._kept[key]
-            self.expired += 1
+        fresh = next((i for i, (_, kept_at, _) in enumerate(self._kept) if kept_at > cutoff), len(self._kept))
+        self.expired += fresh
+        del self._kept[:fresh]

@@ -101,8 +101,9 @@ class DecoderService:
             self.metrics_server.close()
 
     def _describe(self) -> Heartbeat:
-        stats = {"open_inboxes": len(self.receiver.inboxes), "early_messages": len(self.early),
-                 "early_replayed": self.early.replayed, "early_expired": self.early.expired, "kv_connections": self.receiver.open_connections,
+        stats = {"open_inboxes": len(self.receiver.inboxes), "kv_connections": self.receiver.open_connections,
+                 "early_messages": len(self.early), "early_replayed": self.early.replayed,
+                 "early_expired": self.early.expired,
                  "kv_refused_connections": self.receiver.refused_connections,
                  "kv_idle_closes": self.receiver.idle_closes, "kv_slow_closes": self.receiver.slow_closes,
                  "frames_dropped": self.receiver.frames_dropped, **self.engine.stats(), **self.role.stats()}
