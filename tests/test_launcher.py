@@ -145,6 +145,26 @@ async def test_demo_marks_each_tier_and_the_handoff_where_md_takes_over() -> Non
     assert "after 2 eager tokens" in result.summary()
 
 
+@pytest.mark.parametrize("flags", [[], ["--pipeline", "p-md"], ["--pipeline", "p-rld-md"], ["--pipeline", "auto"]])
+def test_every_demo_pipeline_flag_sends_a_pdd_field_the_gateway_accepts(flags: list[str]) -> None:
+    """`pdd demo` shares `pdd up`'s flags, whose --pipeline default is `auto`: a value the request's
+    `pdd.pipeline` must never carry (the gateway answered the newcomer's demo with a 400)."""
+    from services.gateway.http.request_parsing import _pdd_extension
+    from tools.cli import _demo_options, build_parser
+
+    options = _demo_options(build_parser().parse_args(["demo", *flags]))
+    ext = options.request_body(model=None)["pdd"]
+    assert isinstance(ext, dict)
+    pipeline, *_ = _pdd_extension(ext)  # raises InvalidParam, the gateway's 400, on a field it refuses
+    expected = {"": "p-rld-md", "p-md": "p-md", "p-rld-md": "p-rld-md", "auto": None}["".join(flags[1:])]
+    assert pipeline == expected  # no flag: P-RLD-MD, so the demo shows a handoff; auto: the gateway chooses
+
+
+def test_a_demo_pipeline_the_gateway_would_refuse_fails_before_any_request() -> None:
+    with pytest.raises(ValueError, match="demo pipeline must be one of"):
+        DemoOptions(pipeline="p-rld")
+
+
 def _pdd_command() -> list[str]:
     script = Path(sys.executable).parent / "pdd"
     return [str(script)] if script.exists() else [sys.executable, "-m", "tools.cli"]

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
-from tools.demo import DEFAULT_PROMPT, DemoError, DemoOptions, TierPainter, run_demo
+from tools.demo import DEFAULT_PIPELINE, DEFAULT_PROMPT, DemoError, DemoOptions, TierPainter, run_demo
 from tools.launcher import LocalStack
 from tools.stack_config import StackConfig, StackError
 from shared.models import resolve_model, served_model_name
@@ -168,12 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="start a stack, stream one answer marked by tier, stop")
     StackConfig.add_arguments(demo)
+    demo.set_defaults(pipeline=DEFAULT_PIPELINE)  # the request's pipeline, so the demo shows a handoff
     demo.add_argument("--prompt", default=DEFAULT_PROMPT)
     demo.add_argument("--max-tokens", type=int, default=64)
     demo.add_argument("--temperature", type=float, default=0.0)
     demo.add_argument("--md-kv-delay-ms", type=float, default=None,
                       help="hold back MD's KV path so RLD makes eager tokens first "
-                           "(default: 400 on p-rld-md, 0 with --topology two-dc)")
+                           "(default: 400 unless on p-md, 0 with --topology two-dc)")
     demo.add_argument("--api-url", default=None, help="use a running stack (e.g. from `pdd up`) instead")
     demo.set_defaults(func=cmd_demo)
 

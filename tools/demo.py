@@ -14,10 +14,13 @@ from typing import Any, TextIO
 
 import aiohttp
 
+from shared.names import AUTO, Pipeline
 from tools.api_client import sse_events
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 DEFAULT_MD_KV_DELAY_MS = 400.0
+DEFAULT_PIPELINE = str(Pipeline.P_RLD_MD)  # the demo shows a handoff unless asked otherwise
+PIPELINES = (*(str(p) for p in Pipeline.requestable()), AUTO)  # AUTO: the request names none
 TIER_LABELS = {"prefill": "P", "relay": "RLD", "main": "MD"}
 TIER_COLOURS = {"prefill": "\x1b[32m", "relay": "\x1b[33m", "main": "\x1b[36m"}
 MARKER_COLOUR = "\x1b[1;35m"
@@ -34,21 +37,28 @@ class DemoError(RuntimeError):
 class DemoOptions:
     prompt: str = DEFAULT_PROMPT
     max_tokens: int = 64
-    pipeline: str = "p-rld-md"
-    md_kv_delay_ms: float | None = None  # None: DEFAULT_MD_KV_DELAY_MS on p-rld-md, 0 on p-md
+    pipeline: str = DEFAULT_PIPELINE
+    md_kv_delay_ms: float | None = None  # None: DEFAULT_MD_KV_DELAY_MS unless on p-md, 0 there
     temperature: float = 0.0
     timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.pipeline not in PIPELINES:  # never send a field the gateway would refuse
+            raise ValueError(f"demo pipeline must be one of {list(PIPELINES)}, got {self.pipeline!r}")
 
     def request_body(self, model: str | None) -> dict[str, object]:
         delay_ms = self.md_kv_delay_ms
         if delay_ms is None:
-            delay_ms = DEFAULT_MD_KV_DELAY_MS if self.pipeline == "p-rld-md" else 0.0
+            delay_ms = 0.0 if self.pipeline == Pipeline.P_MD else DEFAULT_MD_KV_DELAY_MS
+        ext: dict[str, object] = {"md_kv_delay_ms": delay_ms}
+        if self.pipeline != AUTO:
+            ext["pipeline"] = self.pipeline
         body: dict[str, object] = {
             "messages": [{"role": "user", "content": self.prompt}],
             "stream": True,
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
-            "pdd": {"pipeline": self.pipeline, "md_kv_delay_ms": delay_ms},
+            "pdd": ext,
         }
         if model:
             body["model"] = model
