@@ -289,7 +289,8 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--sections", default="decode,prefill,mixed")
     p.add_argument("--json", dest="json_path", default="")
     ns = p.parse_args(argv)
-    return BenchConfig(ns.model, ns.dtype, ns.decode_attention, ns.threads, tuple(int(b) for b in ns.batches.split(",")),
+    return BenchConfig(ns.model, ns.dtype, ns.decode_attention, ns.threads,
+                       tuple(int(b) for b in ns.batches.split(",")),
                        ns.context_tokens,
                        ns.decode_tokens, ns.prefill_prompts, ns.prefill_prompt_tokens, ns.chunk_tokens,
                        ns.max_batch_tokens, ns.mixed_requests, ns.mixed_min_prompt, ns.mixed_max_prompt,

@@ -61,7 +61,8 @@ def main() -> None:
     measured = [r for r in rows if r["actual_s"] is not None]
     errors = sorted(r["actual_s"] - r["predicted_s"] for r in measured)
     if errors:
-        print(f"{len(measured)} requests with MD's KV: error (actual - predicted) median {statistics.median(errors):+.3f} s, "
+        print(f"{len(measured)} requests with MD's KV: error (actual - predicted) "
+              f"median {statistics.median(errors):+.3f} s, "
               f"min {errors[0]:+.3f} s, max {errors[-1]:+.3f} s, mean |error| "
               f"{statistics.mean(abs(e) for e in errors):.3f} s")
     if args.out:

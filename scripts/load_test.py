@@ -40,7 +40,7 @@ async def one(http: aiohttp.ClientSession, url: str, rng: random.Random, max_tok
         return "accepted", time.monotonic() - t0
     except ApiError as exc:
         return ("refused" if exc.status in (429, 503) else "failed"), time.monotonic() - t0
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         return "failed", time.monotonic() - t0
 
 

@@ -20,8 +20,15 @@ from nats.errors import TimeoutError as NatsTimeout
 
 from shared import messages
 from shared.config import NatsAuth
-from shared.errors import (BadRequest, DeadlineExceeded, IncompatiblePeer, PddError, PeerGone, ProtocolError,
-                           RequestAborted)
+from shared.errors import (
+    BadRequest,
+    DeadlineExceeded,
+    IncompatiblePeer,
+    PddError,
+    PeerGone,
+    ProtocolError,
+    RequestAborted,
+)
 
 log = logging.getLogger(__name__)
 

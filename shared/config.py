@@ -225,7 +225,8 @@ class HandoffConfig:
 
     mode: str = flag(AUTO, f"{AUTO}: Catch-Up while RLD runs at most --catch-up-max-running requests, else One-Shot",
                      name="handoff-mode", choices=choices(HandoffMode, AUTO))
-    catch_up_threshold: int = flag(4, "Catch-Up cuts at once (as One-Shot) when MD's KV is in before RLD made this many eager tokens")
+    catch_up_threshold: int = flag(4, "Catch-Up cuts at once (as One-Shot) when MD's KV is in before RLD made "
+                                      "this many eager tokens")
     catch_up_max_running: int = flag(4)
 
 
@@ -406,8 +407,8 @@ class GatewayConfig:
     warm_prefill_tokens: int = flag(32, "every this many tokens of a running answer, P computes the answer so far "
                                         "into its prefix cache, so the session's next turn hits it there too "
                                         "(0: off)")
-    route_load_penalty_tokens: int = flag(256, "cache-aware routing (P, RLD, MD): one running request costs as much as this "
-                                               "many hit tokens")
+    route_load_penalty_tokens: int = flag(256, "cache-aware routing (P, RLD, MD): one running request costs "
+                                               "as much as this many hit tokens")
     max_running_requests: int = flag(64, "requests in flight before new ones queue (0: no limit)")
     max_queued_requests: int = flag(256, "requests that wait, first come first served and each until its deadline, "
                                          "for one in flight to end; past them, 429 with Retry-After (0: refuse at "

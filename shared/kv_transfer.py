@@ -9,8 +9,8 @@ has nothing to send (its chunks still wait for P's engine) its sender writes a K
 queue; a held path (`KVTarget.held`) writes only KEEPALIVEs, its chunks queued, until P releases
 it. A transfer moved to the background (`OutgoingTransfer.background`: RLD finished the request, MD
 only keeps its KV for the session's next turn) writes small frames at a set pace, and only while
-no other transfer to that decoder is open. Progress is counted per connection on both sides: bytes arriving on a connection move
-every request it carries, and bytes leaving it move the frame P is writing, so frames queued
+no other transfer to that decoder is open. Progress is counted per connection on both sides: bytes arriving on a
+connection move every request it carries, and bytes leaving it move the frame P is writing, so frames queued
 behind other requests' frames on a busy link wait, they do not stall. Frames for a request the
 receiver does not expect (late, duplicate, aborted) are read and dropped as they stream in.
 
@@ -650,7 +650,8 @@ class KVSender:
                 if challenge.get("ok") is False:  # over the decoder's connection caps
                     raise PeerGone(f"decoder {host}:{port} refused: {challenge.get('reason')}")
                 if challenge.get("magic") != kv_wire.MAGIC.decode() or not isinstance(challenge.get("nonce"), str):
-                    raise IncompatiblePeer(f"{host}:{port} is not a pdd KV receiver of protocol {kv_wire.PROTOCOL_VERSION}")
+                    raise IncompatiblePeer(
+                        f"{host}:{port} is not a pdd KV receiver of protocol {kv_wire.PROTOCOL_VERSION}")
                 nonce = kv_wire.new_nonce()
                 writer.write(kv_wire.pack_message(kv_wire.hello(self.layout, self.wire_dtype, {
                     "nonce": nonce, "auth": kv_wire.proof(self.secret, challenge["nonce"], "sender")})))

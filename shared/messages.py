@@ -8,13 +8,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-
 import orjson
 
 from shared.errors import ProtocolError
 from shared.names import HandoffMode
 from shared.sampling import SamplingParams, TokenLogprob
-
 
 
 @dataclass(frozen=True)

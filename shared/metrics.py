@@ -10,8 +10,15 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
-                               disable_created_metrics, start_http_server)
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    start_http_server,
+)
 
 from shared.loop_lag import LoopLagMonitor
 

@@ -1,9 +1,9 @@
 """What every pdd service does the same way: logging, signals, heartbeats, ordered shutdown.
 
 A service object has `async start()`, `async stop()` and a `heartbeat()` that describes it;
-`serve` sets up logging and tracing and runs it; `run_service` starts it, waits for SIGINT/SIGTERM (signals only set an Event; a second one
-forces exit) or for the service to say it cannot go on (`ServiceFailure`: its engine thread died),
-then stops it within a deadline; a failed service exits with status 1, so whatever supervises it
+`serve` sets up logging and tracing and runs it; `run_service` starts it, waits for SIGINT/SIGTERM (signals only
+set an Event; a second one forces exit) or for the service to say it cannot go on (`ServiceFailure`: its engine
+thread died), then stops it within a deadline; a failed service exits with status 1, so whatever supervises it
 (`pdd up --on-child-exit`, compose's restart policy, systemd) sees it gone rather than a live
 process that answers pings and fails every request.
 """

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from opentelemetry import context, propagate, trace
-from opentelemetry.trace import Status, StatusCode
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.trace import Status, StatusCode
 
 from shared.names import AbortReason
 

@@ -85,7 +85,7 @@ async def test_kv_port_refuses_unauthenticated_garbage_and_truncated_peers(stack
     ]
     for data in attempts:
         reader, writer = await asyncio.open_connection(host, port)
-        challenge = orjson.loads((await reader.readexactly(await _length(reader))))
+        challenge = orjson.loads(await reader.readexactly(await _length(reader)))
         assert challenge["magic"] == "PDKV" and challenge["nonce"]
         writer.write(data)
         await writer.drain()

@@ -13,8 +13,17 @@ import pytest
 
 from tools.bench import report
 from tools.bench.cli import add_bench_parser, config_from_args, finish_report
-from tools.bench.config import (AgenticOptions, BenchConfig, LoadOptions, MooncakeOptions, Slo, StackOptions,
-                                 SyntheticOptions, Target, WanLink)
+from tools.bench.config import (
+    AgenticOptions,
+    BenchConfig,
+    LoadOptions,
+    MooncakeOptions,
+    Slo,
+    StackOptions,
+    SyntheticOptions,
+    Target,
+    WanLink,
+)
 from tools.bench.metrics import handoff_stall_s, summarize, tpot_s
 from tools.bench.modes import MODES, stack_config, unavailable_reason
 from tools.bench.replay import RequestRecord
@@ -32,7 +41,8 @@ PEER = "gateway-as-peer"  # pd-local's gateway, measured as --target-url measure
 
 def small_config(out_dir: Path) -> BenchConfig:
     return BenchConfig(
-        modes=(*MODES, "colocated"), workloads=("agentic", "mooncake", "synthetic"), hit_rates=HIT_RATES, out_dir=out_dir,
+        modes=(*MODES, "colocated"), workloads=("agentic", "mooncake", "synthetic"), hit_rates=HIT_RATES,
+        out_dir=out_dir,
         stack=StackOptions(model="tiny", torch_threads=1, chunk_tokens=64, startup_timeout_s=120,
                            log_dir=out_dir / "logs"),
         load=LoadOptions(request_rate=20.0, max_concurrency=3, max_requests=6, request_timeout_s=60,

@@ -37,8 +37,8 @@ def find_chromium() -> str | None:
 async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalStack]:
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}/v1/traces"
-    config = StackConfig(pipeline="p-rld-md", model="tiny", port=port, log_dir=tmp_path_factory.mktemp("dashboard"), torch_threads=1,
-                         chunk_tokens=64, startup_timeout_s=150,
+    config = StackConfig(pipeline="p-rld-md", model="tiny", port=port, log_dir=tmp_path_factory.mktemp("dashboard"),
+                         torch_threads=1, chunk_tokens=64, startup_timeout_s=150,
                          extra_args={role: ["--otlp-endpoint", endpoint]
                                      for role in ("gateway", "prefill", "relay", "main")})
     with pytest.MonkeyPatch.context() as env:

@@ -13,8 +13,15 @@ import pytest
 import torch
 
 from shared.grammar import (
-    Constraint, ConstraintKind, GrammarCompiler, GrammarDiverged, GrammarState, InvalidConstraint,
-    check_json_schema, constraint_for_response_format, constraint_for_tool_calls,
+    Constraint,
+    ConstraintKind,
+    GrammarCompiler,
+    GrammarDiverged,
+    GrammarState,
+    InvalidConstraint,
+    check_json_schema,
+    constraint_for_response_format,
+    constraint_for_tool_calls,
 )
 from shared.models import ensure_smollm2_tokenizer, load_tokenizer
 

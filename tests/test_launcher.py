@@ -20,10 +20,10 @@ import nats
 import pytest
 
 from shared.config import DEFAULT_MAX_PAYLOAD_BYTES
+from shared.models import served_model_name
 from tools.demo import DemoOptions, TierPainter, run_demo
 from tools.launcher import LocalStack
 from tools.stack_config import NATS, SERVICES, StackConfig, StackError
-from shared.models import served_model_name
 
 from helpers import process_alive
 

@@ -48,7 +48,8 @@ async def stack(tmp_path_factory):
                                      "prefill": ["--instance-id", "prefill-1", *BEAT], "relay": BEAT,
                                      "gateway": [*BEAT, "--wan-mbps-guess", "1"]})
     async with LocalStack(config) as running:
-        running.extra = {"main-2": spawn(running, "main", "main-2"), "prefill-2": spawn(running, "prefill", "prefill-2")}
+        running.extra = {"main-2": spawn(running, "main", "main-2"),
+                         "prefill-2": spawn(running, "prefill", "prefill-2")}
         await wait_for_instances(running, "main", 2)
         await wait_for_instances(running, "prefill", 2)
         try:

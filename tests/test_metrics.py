@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tools.api_client import StreamResult, stream_completion
 from shared.kv_wire import FRAME_HEADER
+from tools.api_client import StreamResult, stream_completion
 from tools.launcher import LocalStack
 from tools.stack_config import StackConfig, free_port
 
@@ -27,8 +27,8 @@ def metrics_ports() -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 async def stack(tmp_path_factory: pytest.TempPathFactory, metrics_ports: dict[str, int]) -> AsyncIterator[LocalStack]:
-    config = StackConfig(pipeline="p-rld-md", model="tiny", port=0, log_dir=tmp_path_factory.mktemp("metrics"), torch_threads=1,
-                         chunk_tokens=64, startup_timeout_s=150,
+    config = StackConfig(pipeline="p-rld-md", model="tiny", port=0, log_dir=tmp_path_factory.mktemp("metrics"),
+                         torch_threads=1, chunk_tokens=64, startup_timeout_s=150,
                          extra_args={role: ["--metrics-port", str(port)] for role, port in metrics_ports.items()})
     async with LocalStack(config) as running:
         yield running
@@ -138,7 +138,8 @@ async def test_cache_hits_on_p_and_md_are_counted(stack, session, metrics_urls):
     assert delta(before, after, "main", "pdd_cache_hit_tokens_total") == hits["main"]
     prompt_tokens = first.usage["prompt_tokens"]
     assert delta(before, after, "prefill", "pdd_prompt_tokens_total") == 2 * (prompt_tokens - 1)
-    assert delta(before, after, "prefill", "pdd_prefill_computed_tokens_total") == 2 * (prompt_tokens - 1) - hits["prefill"]
+    computed = delta(before, after, "prefill", "pdd_prefill_computed_tokens_total")
+    assert computed == 2 * (prompt_tokens - 1) - hits["prefill"]
 
 
 async def test_an_abort_is_counted_where_it_stopped_work(stack, session, metrics_urls):

@@ -18,9 +18,9 @@ import pytest
 from nats.errors import Error as NatsError
 
 from shared import bus
-from tools.api_client import stream_completion
 from shared.bus import NatsConfigError
 from shared.config import GatewayConfig, NatsAuth
+from tools.api_client import stream_completion
 from tools.launcher import LocalStack
 from tools.processes import log_tail
 from tools.stack_config import NATS_B, NATS_GW_A_ROUTE, NATS_GW_B_ROUTE, StackConfig

@@ -185,8 +185,9 @@ def test_bad_completion_prompts_are_refused(tokenizer, body):
 
 NOT_HONOURED_VALUES = {
     "functions": [{"name": "f"}], "function_call": "auto",
-    "suffix": "x", "best_of": 2, "prompt_logprobs": 1, "prediction": {"type": "content", "content": "x"}, "audio": {"voice": "x"},
-    "modalities": ["text", "audio"], "moderation": {"categories": ["violence"]}, "web_search_options": {}, "reasoning_effort": "low", "verbosity": "low", "guided_json": {},
+    "suffix": "x", "best_of": 2, "prompt_logprobs": 1, "prediction": {"type": "content", "content": "x"},
+    "audio": {"voice": "x"}, "modalities": ["text", "audio"], "moderation": {"categories": ["violence"]},
+    "web_search_options": {}, "reasoning_effort": "low", "verbosity": "low", "guided_json": {},
     "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= 'a'", "structured_outputs": {"json": {}},
 }
 
@@ -841,7 +842,8 @@ def test_tool_history_is_rendered_through_the_template(tokenizer):
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_object"}, "min_tokens": 3}, "min_tokens"),
     ({"tools": [WEATHER], "tool_choice": "required", "ignore_eos": True}, "ignore_eos"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strange"}}}},
      "response_format.json_schema.schema"),

@@ -20,8 +20,8 @@ PROMPT_TEXTS = [
 
 @pytest.fixture(scope="module")
 async def stack(tmp_path_factory):
-    config = StackConfig(pipeline="p-rld-md", model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1,
-                         chunk_tokens=64, startup_timeout_s=120)
+    config = StackConfig(pipeline="p-rld-md", model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"),
+                         torch_threads=1, chunk_tokens=64, startup_timeout_s=120)
     async with LocalStack(config) as running:
         yield running
 
@@ -178,7 +178,8 @@ async def test_openai_client_gets_chat_logprobs_on_both_pipelines(stack, tiny_to
         assert "".join(c.token for c in content) == result.choices[0].message.content
         for entry in content:  # greedy without options: the chosen token is the likeliest
             assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token
-            assert entry.top_logprobs[0].logprob == entry.logprob <= 0 and entry.top_logprobs[1].logprob <= entry.logprob
+            assert entry.top_logprobs[0].logprob == entry.logprob <= 0
+            assert entry.top_logprobs[1].logprob <= entry.logprob
         got = [(c.token, c.logprob) for c in content]
         if expected is None:
             expected = got

@@ -259,7 +259,7 @@ def test_each_tier_step_is_the_median_gap_between_its_tokens() -> None:
 
     telemetry = Telemetry()
     assert telemetry.step_s("relay") is None
-    for i, at in enumerate((0.0, 0.1, 0.2, 0.3, 1.3, 1.4)):  # one 1 s stall (a handoff) among 0.1 s gaps
+    for at in (0.0, 0.1, 0.2, 0.3, 1.3, 1.4):  # one 1 s stall (a handoff) among 0.1 s gaps
         telemetry.observe_tokens("r1", "relay", 1, at)
     telemetry.observe_tokens("r1", "main", 1, 5.0)  # the first MD token is no gap
     telemetry.observe_tokens("r1", "main", 2, 5.4)  # two tokens in one chunk

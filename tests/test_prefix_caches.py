@@ -22,8 +22,8 @@ HEARTBEAT_S = 0.25
 @pytest.fixture(scope="module")
 async def stack(tmp_path_factory):
     beat = ["--heartbeat-s", str(HEARTBEAT_S)]
-    config = StackConfig(pipeline="p-rld-md", model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1,
-                         chunk_tokens=64, startup_timeout_s=120,
+    config = StackConfig(pipeline="p-rld-md", model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"),
+                         torch_threads=1, chunk_tokens=64, startup_timeout_s=120,
                          extra_args={"prefill": ["--cache-tokens", str(P_CACHE_TOKENS), *beat],
                                      "relay": beat, "main": beat, "gateway": beat})
     async with LocalStack(config) as running:

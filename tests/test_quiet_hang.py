@@ -14,11 +14,12 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
-from helpers import random_prompt
-from test_two_dc import BASE_LINK, TOKEN_TIMEOUT_S, two_dc_config
 
 from tools.api_client import StreamResult, stream_completion
 from tools.launcher import LocalStack
+
+from helpers import random_prompt
+from test_two_dc import BASE_LINK, TOKEN_TIMEOUT_S, two_dc_config
 
 PAIRS = 200
 PAIRS_AT_ONCE = 4  # pairs run side by side; within a pair the P-MD request follows the P-RLD-MD one

@@ -40,7 +40,8 @@ async def stack(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 async def stack_with_backfill(tmp_path_factory):
-    async with LocalStack(held_stack_config(tmp_path_factory.mktemp("logs"), "--backfill-link-share", "0.5")) as running:
+    config = held_stack_config(tmp_path_factory.mktemp("logs"), "--backfill-link-share", "0.5")
+    async with LocalStack(config) as running:
         yield running
 
 
@@ -93,7 +94,8 @@ async def test_a_short_answer_sends_nothing_over_the_wan_then_backfills_mds_cach
     assert result.summary["policy"]["main_kv_held"]
     assert result.token_ids == tiny_generate(prompt, 4)
     after = await backfills_ended(stack, before)
-    assert after["relay_finished_kv_bytes"] - before["relay_finished_kv_bytes"] == (PROMPT_TOKENS - 1) * KV_BYTES_PER_TOKEN
+    relay_finished_kv_bytes = after["relay_finished_kv_bytes"] - before["relay_finished_kv_bytes"]
+    assert relay_finished_kv_bytes == (PROMPT_TOKENS - 1) * KV_BYTES_PER_TOKEN
     assert after["relay_finished_wan_bytes"] == before["relay_finished_wan_bytes"], "nothing crossed while RLD ran"
     assert after["backfills_done"] == before["backfills_done"] + 1
     assert after["backfill_wan_bytes"] - before["backfill_wan_bytes"] >= (PROMPT_TOKENS - 1) * KV_BYTES_PER_TOKEN
@@ -120,7 +122,8 @@ async def test_a_short_answer_sends_nothing_over_the_wan(stack, session, tiny_ge
     assert result.summary["pipeline"] == "p-rld-md" and set(result.tiers) == {"relay"}
     assert result.token_ids == tiny_generate(prompt, 4)
     after = await prefill_stats(stack)
-    assert after["relay_finished_kv_bytes"] - before["relay_finished_kv_bytes"] == (PROMPT_TOKENS - 1) * KV_BYTES_PER_TOKEN
+    relay_finished_kv_bytes = after["relay_finished_kv_bytes"] - before["relay_finished_kv_bytes"]
+    assert relay_finished_kv_bytes == (PROMPT_TOKENS - 1) * KV_BYTES_PER_TOKEN
     assert after["relay_finished_wan_bytes"] == before["relay_finished_wan_bytes"], "MD's stream never left P"
     assert after["kv_bytes_saved_by_abort"] > before["kv_bytes_saved_by_abort"]
     assert after["backfill_wan_bytes"] == before["backfill_wan_bytes"] == 0

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.relay.handoff import HandoffMode, HandoffPlan, Step, choose_mode
 from shared.errors import BadRequest
 from shared.sampling import SamplingParams, sample_token, sample_tokens
-from services.relay.handoff import HandoffMode, HandoffPlan, Step, choose_mode
 
 
 def test_sampled_token_depends_only_on_seed_and_index() -> None:

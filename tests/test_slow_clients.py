@@ -9,13 +9,14 @@ import time
 
 import aiohttp
 import pytest
-from helpers import random_prompt
 from yarl import URL
 
 from shared import bus, messages, subjects
 from tools.api_client import sse_events
 from tools.launcher import LocalStack
 from tools.stack_config import StackConfig
+
+from helpers import random_prompt
 
 API_KEY = "slow-clients-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -4,10 +4,11 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
+from shared.models import load_tokenizer, resolve_model
 from tools.api_client import stream_completion
 from tools.launcher import LocalStack
 from tools.stack_config import StackConfig
-from shared.models import load_tokenizer, resolve_model
+
 from conftest import reference_generate
 
 MESSAGES = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
@@ -20,8 +21,8 @@ def smollm2_path():
 
 @pytest.fixture(scope="module")
 async def stack(smollm2_path, tmp_path_factory):
-    config = StackConfig(pipeline="p-rld-md", model="smollm2", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1,
-                         startup_timeout_s=300)
+    config = StackConfig(pipeline="p-rld-md", model="smollm2", port=0, log_dir=tmp_path_factory.mktemp("logs"),
+                         torch_threads=1, startup_timeout_s=300)
     async with LocalStack(config) as running:
         yield running
 

@@ -12,7 +12,13 @@ import torch
 
 from services.gateway.http.request_parsing import _chat_message
 from services.gateway.http.tool_calls import (
-    ParsedAnswer, ToolCallStream, ToolChoice, parse_answer, parse_tool_request, render_chat, template_takes_tools,
+    ParsedAnswer,
+    ToolCallStream,
+    ToolChoice,
+    parse_answer,
+    parse_tool_request,
+    render_chat,
+    template_takes_tools,
 )
 from shared.errors import BadRequest
 from shared.grammar import ConstraintKind, GrammarCompiler
@@ -139,7 +145,8 @@ def test_a_template_that_takes_tools_gets_them_natively(smollm2_tokenizer) -> No
     assert prompt.tools == TOOLS
     text = tokenizer.apply_chat_template(prompt.messages, tools=prompt.tools, tokenize=False)
     assert text == ("TOOLS get_weather,add\nuser: Weather in Paris and Rome?\n"
-                    "assistant:  CALL get_weather(Paris) CALL get_weather(Rome)\ntool: 18C [call_1]\ntool: 21C [call_2]\n")
+                    "assistant:  CALL get_weather(Paris) CALL get_weather(Rome)\n"
+                    "tool: 18C [call_1]\ntool: 21C [call_2]\n")
 
 
 @pytest.mark.parametrize("message, param", [
@@ -222,7 +229,8 @@ def test_a_streamed_call_is_one_openai_delta() -> None:
     stream = ToolCallStream(NAMES, counter_ids())
     assert stream.feed("Checking.\n<tool_call>\n{\"name\": \"add\", ") == [{"content": "Checking."}]
     assert stream.feed('"arguments": {"x": 1, "y": 2}}\n</tool_call>') == [{"tool_calls": [
-        {"index": 0, "id": "call_0", "type": "function", "function": {"name": "add", "arguments": '{"x": 1, "y": 2}'}}]}]
+        {"index": 0, "id": "call_0", "type": "function",
+         "function": {"name": "add", "arguments": '{"x": 1, "y": 2}'}}]}]
     assert stream.finish() == [] and stream.calls_made == 1
 
 

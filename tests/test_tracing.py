@@ -20,12 +20,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from tools.api_client import ApiError, stream_completion
-from shared.kv_wire import FRAME_HEADER
-from tools.launcher import LocalStack
-from tools.stack_config import StackConfig, free_port
 from services.gateway.observe.dashboard import timeline
 from services.gateway.observe.trace_store import TraceStore, parse_export
+from shared.kv_wire import FRAME_HEADER
+from tools.api_client import ApiError, stream_completion
+from tools.launcher import LocalStack
+from tools.stack_config import StackConfig, free_port
 
 CHUNK_TOKENS = 64
 STARTUP_TIMEOUT_S = 150.0

@@ -19,16 +19,26 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import reference_generate
 from shared import bus, messages, subjects
+from shared.model_runner import ATTENTION
+from shared.models import load_model
 from tools.api_client import ApiError, StreamResult, stream_completion
 from tools.cli import build_parser
 from tools.launcher import LocalStack
-from tools.stack_config import MD_KV_ROUTE, NATS, NATS_B, NATS_GW_A_ROUTE, NATS_GW_B_ROUTE, SERVICES, WAN, StackConfig, StackError
-from shared.models import load_model
-from shared.model_runner import ATTENTION
+from tools.stack_config import (
+    MD_KV_ROUTE,
+    NATS,
+    NATS_B,
+    NATS_GW_A_ROUTE,
+    NATS_GW_B_ROUTE,
+    SERVICES,
+    WAN,
+    StackConfig,
+    StackError,
+)
 from wan.emulator import WanStats
 
+from conftest import reference_generate
 from helpers import process_alive
 
 STARTUP_TIMEOUT_S = 150.0
@@ -43,7 +53,8 @@ Generate = Callable[[list[int], int], list[int]]
 
 def two_dc_config(log_dir: Path, **overrides: object) -> StackConfig:
     config: dict[str, object] = {
-        "model": "tiny", "pipeline": "p-rld-md", "port": 0, "log_dir": log_dir, "torch_threads": 1, "chunk_tokens": CHUNK_TOKENS,
+        "model": "tiny", "pipeline": "p-rld-md", "port": 0, "log_dir": log_dir, "torch_threads": 1,
+        "chunk_tokens": CHUNK_TOKENS,
         "startup_timeout_s": STARTUP_TIMEOUT_S, "topology": "two-dc", "wan_jitter_ms": 0.0,
         "wan_bandwidth_mbps": BASE_LINK["bandwidth_mbps"], "wan_delay_ms": BASE_LINK["delay_ms"],
         "extra_args": {"prefill": ["--kv-stall-timeout-s", str(KV_STALL_TIMEOUT_S)],

@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
-from helpers import random_prompt
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.gateway.http.admission import Admission, ClientLeft, Overloaded
@@ -25,6 +24,8 @@ from shared.names import Role
 from tools.api_client import sse_events, stream_completion
 from tools.launcher import LocalStack
 from tools.stack_config import StackConfig
+
+from helpers import random_prompt
 
 KV_STALL_TIMEOUT_S = 2.0
 CHUNK_TOKENS = 16

@@ -33,12 +33,33 @@ import aiohttp
 from shared.config import DEFAULT_MAX_PAYLOAD_BYTES, NatsAuth
 from shared.models import resolve_model
 from tools.nats_certs import NatsCerts, make_nats_certs
-from tools.nats_config import (NATS_USER, find_nats_server, nats_auth_argv, nats_client_auth_conf, nats_gateway_conf,
-                               write_private)
+from tools.nats_config import (
+    NATS_USER,
+    find_nats_server,
+    nats_auth_argv,
+    nats_client_auth_conf,
+    nats_gateway_conf,
+    write_private,
+)
 from tools.processes import POLL_S, log_tail, signal_group, start_child, wait_exited
-from tools.stack_config import (KV_ROLES, KV_SECRET_FILE, LOOPBACK, MD_KV_ROUTE, MODEL_ROLES, NATS,
-                                NATS_B, NATS_GW_A_ROUTE, NATS_GW_B_ROUTE, SERVICES, STOP_STAGES, WAN, StackConfig,
-                                StackError, free_port, port_is_free)
+from tools.stack_config import (
+    KV_ROLES,
+    KV_SECRET_FILE,
+    LOOPBACK,
+    MD_KV_ROUTE,
+    MODEL_ROLES,
+    NATS,
+    NATS_B,
+    NATS_GW_A_ROUTE,
+    NATS_GW_B_ROUTE,
+    SERVICES,
+    STOP_STAGES,
+    WAN,
+    StackConfig,
+    StackError,
+    free_port,
+    port_is_free,
+)
 from tools.wan_control import WanControl
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,8 @@ WAN = "wan"  # two-dc: the WAN emulator between the datacenters
 SERVICES = (Role.PREFILL, Role.RELAY, Role.MAIN, "gateway")
 MODEL_ROLES = tuple(Role)
 PROCESSES = (*SERVICES, NATS, NATS_B, WAN)  # what a stack may start: the names --cpus takes
-STOP_STAGES: tuple[tuple[str, ...], ...] = (("gateway",), (Role.RELAY, Role.MAIN), (Role.PREFILL,), (NATS, NATS_B), (WAN,))
+STOP_STAGES: tuple[tuple[str, ...], ...] = (
+    ("gateway",), (Role.RELAY, Role.MAIN), (Role.PREFILL,), (NATS, NATS_B), (WAN,))
 TOPOLOGIES = ("one-dc", "two-dc")
 DATACENTER = {"gateway": "a", "prefill": "a", "relay": "a", "main": "b"}  # two-dc placement (the gateway: default)
 DATACENTERS = ("a", "b")

@@ -7,7 +7,6 @@ KV is in, and owns whatever only it keeps (MD's DRC, RLD's handoff counters).
 from __future__ import annotations
 
 import asyncio
-
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 

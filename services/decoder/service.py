@@ -152,7 +152,8 @@ class DecoderService:
     async def _serve(self, request: DecodeRequest) -> None:
         try:
             with self.tracer.start_as_current_span(f"{self.name}.request", context=request.trace_context) as span:
-                span.set_attributes({"pdd.request_id": request.request_id, "pdd.cached_tokens": request.inbox.token_start})
+                span.set_attributes({"pdd.request_id": request.request_id,
+                                     "pdd.cached_tokens": request.inbox.token_start})
                 request.span = span
                 inbox = request.inbox
                 # in the engine now, its held prefix copied in while P computes and sends the rest
@@ -214,7 +215,8 @@ class DecoderService:
     async def _publish_failure(self, request: DecodeRequest, code: str, message: str) -> None:
         try:
             code, message = self.failure.reported(code, message)
-            await bus.publish(self.nc, request.events_subject, RequestFailed(request.request_id, self.name, code, message))
+            await bus.publish(self.nc, request.events_subject,
+                              RequestFailed(request.request_id, self.name, code, message))
         except Exception as exc:  # the gateway's own deadline still ends the request
             log.warning("could not report failure of %s: %s", request.request_id, exc)
 

@@ -12,28 +12,37 @@ from collections import OrderedDict
 from contextlib import aclosing
 
 import torch
-
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from opentelemetry import trace
 
+from services.prefill.job import Phase, PrefillJob
+from services.prefill.prefiller import Prefiller
 from shared import bus, messages, subjects, tracing
-from shared.config import PrefillConfig, read_secret
 from shared.batch_engine import BatchEngine
+from shared.cache_worker import CacheWorker
+from shared.config import PrefillConfig, read_secret
 from shared.errors import PddError
 from shared.kv_transfer import KVSender, OutgoingTransfer, TransferResult, TransferState
 from shared.kv_wire import DTYPE_NAMES
-from shared.metrics import PrefillMetrics, serve as serve_metrics
-from shared.messages import (Abort, CacheEvents, Heartbeat, PrefillAccepted, PrefillDone, PrefillRequest,
-                             PromptLogprobs, ReleaseKV, RequestFailed)
+from shared.messages import (
+    Abort,
+    CacheEvents,
+    Heartbeat,
+    PrefillAccepted,
+    PrefillDone,
+    PrefillRequest,
+    PromptLogprobs,
+    ReleaseKV,
+    RequestFailed,
+)
+from shared.metrics import PrefillMetrics
+from shared.metrics import serve as serve_metrics
 from shared.model_runner import ModelRunner
 from shared.models import kv_layout, load_model, resolve_model
 from shared.names import AbortReason, Role
-from shared.cache_worker import CacheWorker
 from shared.radix_cache import INDEX_BLOCK_TOKENS, CacheEvent, RadixCache
 from shared.service_runtime import ServiceFailure, heartbeat_loop, now
-from services.prefill.job import Phase, PrefillJob
-from services.prefill.prefiller import Prefiller
 
 log = logging.getLogger(__name__)
 ROLE = Role.PREFILL
@@ -62,7 +71,8 @@ class PrefillService:
                       if config.cache.enabled else None)  # every tree operation on its own thread, off the loop
         self.jobs: dict[str, PrefillJob] = {}
         self.aborted_transfers = 0
-        self.kv_bytes_per_token = self.layout.num_layers * 2 * self.layout.kv_heads * self.layout.head_dim * wire.itemsize
+        self.kv_bytes_per_token = (self.layout.num_layers * 2 * self.layout.kv_heads * self.layout.head_dim
+                                   * wire.itemsize)
         self.kv_bytes_saved_by_abort = 0  # KV that never crossed because the request ended first
         self.relay_finished_wan_bytes = 0  # sent toward MD for requests RLD finished alone
         self.relay_finished_kv_bytes = 0  # the KV MD lacked of those requests

@@ -93,7 +93,9 @@ class HandoffPlan:
                 return self._act(Step.CUT, eager)
             return self._act(Step.SEND_CHUNK, eager) if eager > self.sent else Decision(Step.DECODE)
         if not self._main_reported:  # MD's KV is not in yet: stream to it meanwhile, or just decode
-            return self._act(Step.SEND_CHUNK, eager) if self.streams_early and eager > self.sent else Decision(Step.DECODE)
+            if self.streams_early and eager > self.sent:
+                return self._act(Step.SEND_CHUNK, eager)
+            return Decision(Step.DECODE)
         if self.handoff_at is not None and self.mode is HandoffMode.ONE_SHOT:
             return Decision(Step.DECODE)  # One-Shot held by handoff_at
         if self.would_cut(eager):

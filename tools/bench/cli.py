@@ -13,13 +13,24 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.models import DTYPES
 from tools.bench import paper, report
-from tools.bench.config import (WORKLOADS, AgenticOptions, BenchConfig, Costs, LoadOptions, MooncakeOptions,
-                                 Slo, StackOptions, SyntheticOptions, Target, WanLink)
+from tools.bench.config import (
+    WORKLOADS,
+    AgenticOptions,
+    BenchConfig,
+    Costs,
+    LoadOptions,
+    MooncakeOptions,
+    Slo,
+    StackOptions,
+    SyntheticOptions,
+    Target,
+    WanLink,
+)
 from tools.bench.modes import MODES, NOT_AVAILABLE
 from tools.bench.runner import RunResult, run_bench, skipped_modes
 from tools.stack_config import DATACENTERS, StackError, merge_cpu_affinity, parse_cpu_affinity
-from shared.models import DTYPES
 
 ALL_MODES = (*MODES, *NOT_AVAILABLE)
 
@@ -72,15 +83,16 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--scenario", choices=("paper",), default=None,
                    help="paper: the PDD paper's regime (SmolLM2, 100 Mbit/s, 30 ms RTT; agent sessions of 1,024-token "
                         "prompts, 128-token answers, 8 turns at a 90 %% hit; the Mooncake trace with its own answer "
-                        "lengths capped at 128) in pdd, pd-local, pd-wan and pd-wan-drc, and summary.md's table against "
-                        "the paper; a flag given still wins over the preset")
+                        "lengths capped at 128) in pdd, pd-local, pd-wan and pd-wan-drc, and summary.md's table "
+                        "against the paper; a flag given still wins over the preset")
 
     g = p.add_argument_group("stack")
     g.add_argument("--model", default=s.model, help="'smollm2', 'tiny', or a checkpoint path")
     g.add_argument("--dtype", default=s.dtype, choices=tuple(DTYPES))
     g.add_argument("--torch-threads", type=int, default=s.torch_threads, help="per model process; 0: launcher default")
     g.add_argument("--chunk-tokens", type=int, default=s.chunk_tokens)
-    g.add_argument("--cache-bytes", type=int, default=None, help="P's cache, RLD's and MD's DRC capacity (default: services')")
+    g.add_argument("--cache-bytes", type=int, default=None,
+                   help="P's cache, RLD's and MD's DRC capacity (default: services')")
     g.add_argument("--startup-timeout-s", type=float, default=s.startup_timeout_s)
     g.add_argument("--cpus", dest="cpu_affinity", type=parse_cpu_affinity, action="append", default=[],
                    metavar="NAME[,NAME]=CORES", help="pin processes to cores in every mode, e.g. prefill=0 "

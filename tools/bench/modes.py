@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from tools.bench.config import BenchConfig
 from shared.config import GatewayConfig
-from tools.stack_config import StackConfig
 from shared.messages import DecodeAssign
+from tools.bench.config import BenchConfig
+from tools.stack_config import StackConfig
 
 POLICY = "auto"  # the gateway's per-request pipeline choice
 

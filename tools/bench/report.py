@@ -95,7 +95,8 @@ def pdd_table(results: list[Json]) -> str:
             f"| {r['workload']['name']} | {r['mode']} | {_pipelines(d['pipelines'])} | {_pct(d['planned_hit_rate'])} "
             f"| {_pct(d['prefill_hit_rate'])} | {_pct(d['main_hit_rate'])} | {_mb(d['wan_kv_bytes'])} | {per_req} "
             f"| {_mb(d['wan_emulator_a_to_b_bytes'])} | {_mb(d['drc_saved_bytes'])} | {_pct(d['relay_token_share'])} "
-            f"| {d['finished_by_relay']} | {_relay_only_wan(d)} | {d['handoffs']} | {_ms(d['handoff_stall_ms'], 'mean')} "
+            f"| {d['finished_by_relay']} | {_relay_only_wan(d)} | {d['handoffs']} "
+            f"| {_ms(d['handoff_stall_ms'], 'mean')} "
             f"| {_ms(d['handoff_stall_ms'], 'max')} | {m['cost']['total']:g} | {bcr} |")
     return "\n".join(lines)
 
@@ -134,7 +135,8 @@ def baseline_table(results: list[Json], baseline: str = BASELINE_MODE) -> str:
         t, bt = m["ttft_ms"], b["ttft_ms"]
         lines.append(f"| {r['workload']['name']} | {r['mode']} | {_change(t['mean'], bt['mean'])} "
                      f"| {_change(t['p90'], bt['p90'])} | {_change(t['p99'], bt['p99'])} "
-                     f"| {_change(m['e2e_ms']['mean'], b['e2e_ms']['mean'])} | {_change(_sent_bytes(m), _sent_bytes(b))} "
+                     f"| {_change(m['e2e_ms']['mean'], b['e2e_ms']['mean'])} "
+                     f"| {_change(_sent_bytes(m), _sent_bytes(b))} "
                      f"| {_change(m['goodput'], b['goodput'])} | {_change(m['bcr'], b['bcr'])} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 

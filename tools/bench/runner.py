@@ -14,6 +14,10 @@ from dataclasses import asdict, dataclass, field
 import aiohttp
 from tqdm import tqdm
 
+from shared import bus, messages, subjects
+from shared.messages import Heartbeat
+from shared.models import DTYPES, kv_layout
+from shared.names import Role
 from tools.bench import metrics
 from tools.bench.config import BenchConfig, Target
 from tools.bench.modes import MODES, Mode, pipeline_of, request_fields, stack_config, unavailable_reason
@@ -21,10 +25,6 @@ from tools.bench.replay import Replayer, RequestRecord, warmup_requests
 from tools.bench.workloads import Workload, agentic_workload, mooncake_workload, synthetic_workload
 from tools.launcher import LocalStack
 from tools.stack_config import MD_KV_ROUTE, StackConfig
-from shared import bus, messages, subjects
-from shared.messages import Heartbeat
-from shared.models import DTYPES, kv_layout
-from shared.names import Role
 
 log = logging.getLogger(__name__)
 Json = dict[str, object]
@@ -212,7 +212,7 @@ async def run_target(target: Target, workloads: list[Workload], cfg: BenchConfig
         for workload in workloads:
             n = min(len(workload.requests), cfg.load.max_requests)
             bar = tqdm(total=n, desc=f"{target.name} {workload.name}", unit="req", disable=not cfg.load.progress)
-            replayer = Replayer(session, target.url, None, cfg.load, on_done=lambda rec: bar.update(),
+            replayer = Replayer(session, target.url, None, cfg.load, on_done=lambda rec, bar=bar: bar.update(),
                                 model=target.model)
             try:
                 warm = await replayer.warm_up(warmup_requests(workload, cfg.load.warmup_requests))

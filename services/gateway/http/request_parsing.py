@@ -45,7 +45,8 @@ MAX_COMPLETION_LOGPROBS = 5  # completions' `logprobs`: OpenAI's limit (chat's t
 NOT_HONOURED: dict[str, tuple[object, ...]] = {
     "functions": ([],), "function_call": ("none",),
     "suffix": ("",), "best_of": (1,), "prompt_logprobs": (0,), "prediction": (),
-    "audio": (), "modalities": (["text"],), "moderation": (), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
+    "audio": (), "modalities": (["text"],), "moderation": (), "web_search_options": (), "reasoning_effort": (),
+    "verbosity": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
 }
 

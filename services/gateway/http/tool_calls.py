@@ -21,7 +21,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from shared.grammar import (
-    SCHEMA_NAME, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Constraint, InvalidConstraint, check_json_schema,
+    SCHEMA_NAME,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    Constraint,
+    InvalidConstraint,
+    check_json_schema,
     constraint_for_tool_calls,
 )
 
@@ -157,7 +162,8 @@ def template_takes_tools(tokenizer: object) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
-def render_chat(messages: object, request: ToolRequest | None, *, native: bool, text_message: TextMessage) -> ChatPrompt:
+def render_chat(messages: object, request: ToolRequest | None, *, native: bool,
+                text_message: TextMessage) -> ChatPrompt:
     """The conversation for apply_chat_template. `native`: the template takes tools (template_takes_tools),
     so tools, assistant tool_calls and tool messages go to it in Hugging Face's shape; otherwise they
     are written out in the Hermes format as plain {role, content} messages. `text_message(message, i)`

@@ -36,7 +36,8 @@ def detail(span: SpanJson) -> str:
     name = span["name"]
     if name == ROOT_SPAN:
         tokens = f"{a.get('pdd.completion_tokens', '?')} tokens"
-        return f"{a.get('http.route', '')} {a.get('pdd.pipeline', '')} · {tokens} · HTTP {a.get('http.response.status_code', '?')}"
+        return (f"{a.get('http.route', '')} {a.get('pdd.pipeline', '')} · {tokens} "
+                f"· HTTP {a.get('http.response.status_code', '?')}")
     if name == "gateway.policy":
         return (f"{a.get('pdd.pipeline')}: {a.get('pdd.policy_reason')} "
                 f"(MD ready in {float(a.get('pdd.main_ready_predicted_s', 0)) * 1e3:.0f} ms predicted)")

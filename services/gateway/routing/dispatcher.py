@@ -475,7 +475,8 @@ def fit_kv_budget(req: GenerationRequest, decoders: list[Instance]) -> Generatio
 def _predictions(decision: PipelineDecision) -> dict[str, float | int]:
     """What the pipeline choice was based on, as span attributes (both decoders' predicted starts)."""
     relay = decision.predicted_relay_ready_s
-    return {"pdd.prefill_hit_predicted": decision.prefill_hit_tokens, "pdd.main_hit_predicted": decision.main_hit_tokens,
-            "pdd.wan_bytes_predicted": decision.wan_bytes, "pdd.main_ready_predicted_s": decision.predicted_main_ready_s,
+    return {"pdd.prefill_hit_predicted": decision.prefill_hit_tokens,
+            "pdd.main_hit_predicted": decision.main_hit_tokens, "pdd.wan_bytes_predicted": decision.wan_bytes,
+            "pdd.main_ready_predicted_s": decision.predicted_main_ready_s,
             **({"pdd.relay_ready_predicted_s": relay, "pdd.main_ready_budget_s": decision.budget_s}
                if math.isfinite(relay) else {})}
