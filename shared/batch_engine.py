@@ -21,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -248,8 +248,9 @@ class BatchEngine:
         return self._submit(key, feed_ids, sample, return_kv, score, unfeed).future
 
     async def submit_timed(self, key: str, feed_ids: list[int], sample: bool, return_kv: bool = False,
-                           score: Scoring | None = None, unfeed: int = 0) -> tuple[object, int, int]:
-        """As submit: the result, and when it was submitted and its first forward began (time.time_ns)."""
+                           score: Scoring | None = None, unfeed: int = 0) -> tuple[Any, int, int]:
+        """As submit: the result (its shape set by the flags, as there), and when it was submitted and its
+        first forward began (time.time_ns)."""
         work = self._submit(key, feed_ids, sample, return_kv, score, unfeed)
         result = await work.future
         return result, work.submitted_ns, work.started_ns
@@ -673,8 +674,8 @@ class BatchEngine:
             self.timeline.write("step", t_ns=started_ns, end_ns=time.time_ns(), step=self.steps,
                                 cpu_ns=time.thread_time_ns() - cpu0_ns,
                                 rows=[[w.key, take, w.sample and not w.left, w.submitted_ns] for w, take in batch])
-        for future, result, exc in settled:
-            _notify(future, result, exc)
+        for future, outcome, error in settled:
+            _notify(future, outcome, error)
 
     @staticmethod
     def _logit_rows(batch: list[tuple[_Work, int]]) -> tuple[list[tuple[_Work, int, int]], list[int]]:
@@ -695,9 +696,11 @@ class BatchEngine:
         """Append each scoring work's logprobs for this step's tokens (before `fed` moves past them)."""
         failed: dict[_Work, Exception] = {}
         for work, first, rows in scoring:
+            score = work.score
+            assert score is not None  # _logit_rows put only scoring work here
             try:
                 work.scored += score_tokens(logits[first:first + rows],
-                                            work.score.next_ids[work.fed:work.fed + rows], work.score.top_n)
+                                            score.next_ids[work.fed:work.fed + rows], score.top_n)
             except Exception as exc:  # this request fails; the others in the step go on
                 log.exception("scoring %s failed", work.key)
                 failed[work] = exc
@@ -709,6 +712,7 @@ class BatchEngine:
         seqs = [self._slots[w.key].seq for w in sampled]
         failed: dict[int, PddError] = {}
         grammars: dict[int, GrammarState | None] = {}
+        ready_seqs: dict[int, DecodeSequence] = {}
         for i, seq in enumerate(seqs):
             if seq is None:
                 failed[i] = NotAdmitted(f"{sampled[i].key} has no sampling state")
@@ -717,18 +721,20 @@ class BatchEngine:
                 grammars[i] = seq.synced_grammar()
             except GrammarDiverged as exc:  # this request ends; the others in the step go on
                 failed[i] = exc
+            else:
+                ready_seqs[i] = seq
         ready = list(grammars)
         with torch.inference_mode():  # the forward's logits are inference tensors; masks change them in place
             ready_logits = logits[ready] if len(ready) < len(seqs) else logits
             if self.grammars is not None:
                 self.grammars.apply_masks(ready_logits, list(grammars.values()))
-            picks = dict(zip(ready, sample_rows(ready_logits, [seqs[i].sampling_row() for i in ready])))
+            picks = dict(zip(ready, sample_rows(ready_logits, [ready_seqs[i].sampling_row() for i in ready])))
         settled: list[tuple[asyncio.Future, object, BaseException | None]] = []
         for i, work in enumerate(sampled):
-            seq = seqs[i]
             if i in failed:
                 settled.append((work.future, None, failed[i]))
                 continue
+            seq = ready_seqs[i]
             result = (picks[i].token_id, seq.accept(picks[i].token_id, picks[i].logprob))
             if result[1] is None:
                 self._expected.add(work.key)

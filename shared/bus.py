@@ -12,6 +12,7 @@ import logging
 import re
 import ssl
 from pathlib import Path
+from typing import TypedDict
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -66,8 +67,10 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None) -> NATS:
 
     nc = NATS()
     try:
+        # nats-py annotates reconnect_time_wait as int; it only sleeps that long, so a float works
         await nc.connect(
-            url, name=name, connect_timeout=5, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+            url, name=name, connect_timeout=5, max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,  # type: ignore[arg-type]
             error_cb=on_error, disconnected_cb=on_disconnected, reconnected_cb=on_reconnected, **credentials)
     except NatsConfigError:
         # After a failed TLS handshake nats-py's close() can wait forever on the dead socket.
@@ -79,11 +82,19 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None) -> NATS:
     return nc
 
 
-def nats_credentials(auth: NatsAuth) -> dict[str, object]:
+class NatsCredentials(TypedDict, total=False):
+    """The keyword arguments of nats-py's connect() that carry credentials."""
+
+    user: str
+    password: str
+    tls: ssl.SSLContext
+
+
+def nats_credentials(auth: NatsAuth) -> NatsCredentials:
     """nats-py's keyword arguments for `auth`: user, password and an SSLContext, each when set."""
-    credentials: dict[str, object] = {}
+    credentials: NatsCredentials = {}
     if auth.user:
-        credentials.update(user=auth.user, password=_read_password(auth.password_file))
+        credentials.update({"user": auth.user, "password": _read_password(auth.password_file)})
     if auth.tls:
         credentials["tls"] = _tls_context(auth)
     return credentials
@@ -131,22 +142,22 @@ def _redact(url: str) -> str:
     return re.sub(r"//[^/@]*@", "//", url)
 
 
-def _payload(nc: NATS, msg: object) -> bytes:
+def _payload(nc: NATS, msg: messages.Message) -> bytes:
     data = messages.encode(msg)
     if len(data) > nc.max_payload:
         raise BadRequest(f"{type(msg).__name__} of {len(data)} bytes exceeds NATS max_payload {nc.max_payload}")
     return data
 
 
-async def publish(nc: NATS, subject: str, msg: object, headers: dict[str, str] | None = None) -> None:
+async def publish(nc: NATS, subject: str, msg: messages.Message, headers: dict[str, str] | None = None) -> None:
     try:
         await nc.publish(subject, _payload(nc, msg), headers=headers or None)
     except MaxPayloadError as exc:
         raise BadRequest(str(exc)) from exc
 
 
-async def request(nc: NATS, subject: str, msg: object, reply_type: type, timeout_s: float,
-                  headers: dict[str, str] | None = None) -> object:
+async def request(nc: NATS, subject: str, msg: messages.Message, reply_type: type[messages.M], timeout_s: float,
+                  headers: dict[str, str] | None = None) -> messages.M:
     """Request/reply with a deadline; an ErrorReply comes back raised as the matching PddError."""
     try:
         reply = await nc.request(subject, _payload(nc, msg), timeout=timeout_s, headers=headers or None)
@@ -154,7 +165,7 @@ async def request(nc: NATS, subject: str, msg: object, reply_type: type, timeout
         raise PeerGone(f"nobody serves {subject}") from exc
     except NatsTimeout as exc:
         raise DeadlineExceeded(f"no reply on {subject} within {timeout_s:.1f}s") from exc
-    answer = messages.decode_as(reply.data, reply_type)
+    answer = messages.decode_reply(reply.data, reply_type)
     if isinstance(answer, messages.ErrorReply):
         raise _ERRORS_BY_CODE.get(answer.code, PddError)(answer.message)
     return answer

@@ -65,7 +65,8 @@ def flag_fields(cls: type) -> list[dataclasses.Field]:
 def flag_default(f: dataclasses.Field) -> Any:
     """The field's default as its flag gives it (scaled)."""
     spec: Flag = f.metadata[_FLAG]
-    return f.default * spec.scale if spec.scale != 1 else f.default
+    default: Any = f.default  # every flag field has one (flag() sets it)
+    return default * spec.scale if spec.scale != 1 else default
 
 
 def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,

@@ -9,6 +9,7 @@ class PddError(Exception):
     """Base of every error pdd raises on purpose."""
 
     code = "internal_error"
+    instance_id: str | None = None  # the instance that failed, where the gateway's dispatcher knows it
 
 
 class BadRequest(PddError):

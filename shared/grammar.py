@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast, overload
 
 import llguidance
 import llguidance.hf
@@ -30,11 +30,12 @@ import torch
 from shared.errors import InvalidParam, PddError
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from llguidance._lib import JsonCompileOptions
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 # JSON exactly as json.dumps writes it: fixed separators and no free whitespace, so a model (even a
 # random one) cannot spend its tokens on blanks, and two tiers agree on one spelling.
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_STYLE: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 SCHEMA_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for json_schema and function names
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"  # the Hermes / Qwen2.5 tool-call format
 MATCHER_CACHE_SIZE = 64
@@ -135,11 +136,16 @@ def constraint_for_tool_calls(parameters_by_name: Mapping[str, Mapping[str, obje
     return Constraint(ConstraintKind.TOOL_CALLS, grammar)
 
 
+@overload
+def closed_objects(schema: Mapping[str, object]) -> dict[str, object]: ...
+@overload
+def closed_objects(schema: object) -> object: ...
 def closed_objects(schema: object) -> object:
     """The schema with every object that lists its `properties` closed to others unless it says
     otherwise (`additionalProperties` false), as vLLM's xgrammar does in its default strict mode: a
     schema that names its fields means those fields, and a model must not wander into keys of its own."""
     if isinstance(schema, Mapping):
+        closed: dict[str, object]
         closed = {key: ({name: closed_objects(sub) for name, sub in value.items()}  # names, not a schema
                         if key in ("properties", "$defs", "definitions") and isinstance(value, Mapping)
                         else closed_objects(value))
@@ -192,9 +198,11 @@ class GrammarCompiler:
         """`logits_width`: the model's vocab_size, which may exceed len(tokenizer); the columns past
         the tokenizer are padding and never allowed. `eos_token_ids`: the tokens that may end a
         finished grammar (default: the tokenizer's EOS)."""
-        n_vocab = max(logits_width, len(hf_tokenizer))  # type: ignore[arg-type]
+        n_vocab = max(logits_width, len(hf_tokenizer))
         eos = list(eos_token_ids) or None
-        return cls(llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab, eos_token=eos), logits_width)
+        # AutoTokenizer gives a fast tokenizer (the kind llguidance reads); transformers types it as the base
+        fast = cast("PreTrainedTokenizerFast", hf_tokenizer)
+        return cls(llguidance.hf.from_tokenizer(fast, n_vocab=n_vocab, eos_token=eos), logits_width)
 
     def new_state(self, constraint: Constraint) -> GrammarState:
         pristine = self._matchers.get(constraint.grammar)

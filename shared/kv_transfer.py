@@ -255,6 +255,7 @@ class KVInbox(_StateMachine):
             except TimeoutError:
                 continue
         if self.state is not TransferState.DONE:
+            assert self.error is not None  # fail() and abort() set it as they end the transfer
             raise self.error
         return self.kv
 
@@ -331,7 +332,9 @@ class KVReceiver:
             return
         self._writers.add(writer)
         self._per_peer[address] = self._per_peer.get(address, 0) + 1
-        self._handlers.add(asyncio.current_task())
+        handler = asyncio.current_task()
+        assert handler is not None  # asyncio.start_server runs each connection's callback as a task
+        self._handlers.add(handler)
         try:
             await self._handshake(reader, writer)
             link = InboundLink(f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer))
@@ -351,7 +354,7 @@ class KVReceiver:
             self._per_peer[address] -= 1
             if not self._per_peer[address]:
                 del self._per_peer[address]
-            self._handlers.discard(asyncio.current_task())
+            self._handlers.discard(handler)
             writer.close()
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -409,6 +412,7 @@ class KVReceiver:
         """The first bytes of the next frame. A connection may wait `idle_timeout_s` for one, unless a
         transfer it carries is open: that transfer's own stall deadline judges its silence."""
         idle_s = self.limits.idle_timeout_s or None
+        part: bytes | None
         while True:
             try:
                 async with asyncio.timeout(idle_s):
@@ -434,6 +438,7 @@ class KVReceiver:
         window_s, loop = self.limits.read_window_s, asyncio.get_running_loop()
         got = window_got = 0
         window_end, window_due = loop.time() + window_s, min(self.limits.read_min_bytes, length)
+        part: bytes | None
         with memoryview(kept) as view:
             while got < length:
                 if window_s > 0 and loop.time() >= window_end:

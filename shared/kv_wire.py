@@ -47,7 +47,8 @@ class FrameKind(enum.IntEnum):
 
 WIRE_DTYPES: dict[int, torch.dtype] = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16}
 DTYPE_CODES = {dtype: code for code, dtype in WIRE_DTYPES.items()}
-DTYPE_NAMES = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.bfloat16}
+DTYPE_NAMES: dict[str, torch.dtype] = {  # by DType or its plain string
+    DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def pack_data_frame(request_id: str, layer_start: int, token_start: int,
                     kv: torch.Tensor, wire_dtype: torch.dtype) -> tuple[bytes, memoryview]:
     """kv: [layers, 2, kv_heads, tokens, head_dim]. Returns (header, payload) to write back to back."""
     wire = kv.to(device="cpu", dtype=wire_dtype).contiguous()
-    payload = memoryview(wire.view(torch.uint8).numpy()).cast("B")
+    payload = wire.view(torch.uint8).numpy().data.cast("B")
     layers, _, kv_heads, tokens, head_dim = wire.shape
     header = pack_header(FrameKind.DATA, request_id, (layer_start, layer_start + layers),
                          (token_start, token_start + tokens), wire_dtype, kv_heads, head_dim, payload)

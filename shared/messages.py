@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import orjson
 
@@ -248,7 +249,12 @@ class ErrorReply:
     message: str
 
 
-MESSAGE_TYPES: dict[str, type] = {
+Message = (Heartbeat | DecodeAssign | DecodeAccepted | PrefillRequest | PromptLogprobs | PrefillAccepted | PrefillDone
+           | KVReady | Handoff | CutComing | TokenChunk | KVReceived | HandoffStats | CacheEvents | RequestFailed
+           | MainLost | Abort | ReleaseKV | ErrorReply)
+M = TypeVar("M", bound=Message)
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.__name__: cls
     for cls in (
         Heartbeat, DecodeAssign, DecodeAccepted, PrefillRequest, PromptLogprobs, PrefillAccepted, PrefillDone,
@@ -258,7 +264,7 @@ MESSAGE_TYPES: dict[str, type] = {
 }
 
 
-def _to_plain(msg: object) -> dict:
+def _to_plain(msg: Message) -> dict:
     d = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
     for key, value in d.items():
         if isinstance(value, SamplingParams):
@@ -269,11 +275,11 @@ def _to_plain(msg: object) -> dict:
     return d
 
 
-def encode(msg: object) -> bytes:
+def encode(msg: Message) -> bytes:
     return orjson.dumps(_to_plain(msg))
 
 
-def decode(data: bytes) -> object:
+def decode(data: bytes) -> Message:
     """Parse one message; raises ProtocolError on anything that is not a known, well-formed one."""
     try:
         d = orjson.loads(data)
@@ -290,10 +296,17 @@ def decode(data: bytes) -> object:
         raise ProtocolError(f"malformed message: {exc}") from exc
 
 
-def decode_as(data: bytes, cls: type) -> object:
+def decode_as(data: bytes, cls: type[M]) -> M:
+    """Parse one message that must be a `cls`; raises ProtocolError on anything else."""
     msg = decode(data)
-    if isinstance(msg, ErrorReply) and cls is not ErrorReply:
-        return msg
     if not isinstance(msg, cls):
+        raise ProtocolError(f"expected {cls.__name__}, got {type(msg).__name__}")
+    return msg
+
+
+def decode_reply(data: bytes, cls: type[M]) -> M | ErrorReply:
+    """Parse the reply to a request: a `cls`, or the ErrorReply of a peer that could not serve it."""
+    msg = decode(data)
+    if not isinstance(msg, (cls, ErrorReply)):
         raise ProtocolError(f"expected {cls.__name__}, got {type(msg).__name__}")
     return msg

@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import (
     sdpa_attention_forward,
     use_gqa_in_sdpa,
@@ -160,7 +160,7 @@ class _Pack:
 
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                     pdd_pack: _Pack | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                     pdd_pack: _Pack | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """query [1, heads, T, d] and new key/value [1, kv_heads, T, d] for T packed tokens.
 
     Each row's new K/V go into its own SequenceKV, and each row attends over its own KV only: through
@@ -176,7 +176,7 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                                           scaling=scaling, **kwargs)
         one_token = query.shape[2] == 1 and attention_mask is None and direct
         return _attend(module, query, key, value, attention_mask, scaling, gqa, one_token), None
-    layer = module.layer_idx
+    layer = cast(int, module.layer_idx)  # torch types a Module's attributes as Tensor | Module
     kernel = pdd_pack.decode_attention
     outputs: list[torch.Tensor | int] = []  # a row's output, or how many of the kernel's outputs it takes
     starts: list[int] = []  # query tokens the kernel serves, all in one call: each over its causal prefix
@@ -196,19 +196,21 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         else:
             k, v = cache_k.narrow(2, 0, past + n), cache_v.narrow(2, 0, past + n)
             outputs.append(_attend(module, query.narrow(2, start, n), k, v, mask, scaling, gqa, n == 1 and direct))
-    if starts:
+    parts: list[torch.Tensor] = []
+    if kernel is not None and starts:
         served = _decode_attention(kernel, query, starts, keys, values, scaling)
         if len(starts) == query.shape[2]:
             return served.unsqueeze(0), None
-        parts, taken = [], 0
+        taken = 0
         for out in outputs:
             if isinstance(out, int):
                 parts.append(served[taken:taken + out].unsqueeze(0))
                 taken += out
             else:
                 parts.append(out)
-        outputs = parts
-    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+    else:  # no kernel in this forward: every row's output is a tensor already
+        parts = [out for out in outputs if isinstance(out, torch.Tensor)]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)), None
 
 
 def _decode_attention(kernel: DecodeAttention, query: torch.Tensor, starts: list[int], keys: list[torch.Tensor],
@@ -287,7 +289,7 @@ def _causal_mask(past: int, n: int, device: torch.device) -> torch.Tensor | None
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, decode_attention: str = "auto", row_invariant: bool = True) -> None:
+    def __init__(self, model: PreTrainedModel, decode_attention: str = "auto", row_invariant: bool = True) -> None:
         """`row_invariant`: a row's outputs never depend on how many rows share its step (decoders;
         P's runner passes False, so its long prefill chunks are not split: shared/cpu_linears.py)."""
         self.model = model

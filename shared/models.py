@@ -16,8 +16,12 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +116,7 @@ def ensure_smollm2() -> Path:
     return target
 
 
-TINY_CONFIG = dict(
+TINY_CONFIG: dict[str, Any] = dict(  # LlamaConfig's keyword arguments
     hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, rms_norm_eps=1e-5,
     initializer_range=0.2, tie_word_embeddings=True, rope_theta=10000.0,
@@ -131,7 +135,8 @@ def ensure_tiny() -> Path:
         vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, **TINY_CONFIG)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    # transformers wraps PreTrainedModel.to in a decorator whose type takes `self` as the first argument
+    model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]
     config_dict = model.config.to_dict()
     config_dict["_pdd_name"] = "tiny-llama"
     with tempfile.TemporaryDirectory(dir=pdd_home()) as tmp:
@@ -161,14 +166,14 @@ def pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def load_model(path: Path, dtype: str = "float32", device: str = "auto") -> torch.nn.Module:
+def load_model(path: Path, dtype: str = "float32", device: str = "auto") -> PreTrainedModel:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
-    return model.to(pick_device(device)).eval()
+    return model.to(pick_device(device)).eval()  # type: ignore[arg-type]  # as in ensure_tiny
 
 
-def load_tokenizer(path: Path):
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)

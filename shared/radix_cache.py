@@ -292,7 +292,7 @@ class RadixCache:
             raise ValueError(f"kv_start {kv_start} outside [0, {len(ids)}]")
         self._check_kv(kv, len(ids) - kv_start)
         node, pos, child, common = self._walk(ids)
-        guard = child if common else node
+        guard = child if child is not None and common else node
         self._touch(guard)
         matched = pos + common
         if matched < kv_start:

@@ -219,8 +219,8 @@ def _penalize(logits: torch.Tensor, row_ids: Sequence[int], rows: Sequence[Sampl
     flat = logits.view(-1)
     device = logits.device
 
-    def keys(row_id: int, ids: Sequence[int]) -> torch.Tensor:  # each token's place in flat
-        ids = torch.tensor(ids, dtype=torch.long)
+    def keys(row_id: int, token_ids: Sequence[int]) -> torch.Tensor:  # each token's place in flat
+        ids = torch.tensor(token_ids, dtype=torch.long)
         return ids[ids < vocab] + row_id * vocab  # an id past the logits (a padded vocabulary) has no logit
 
     output_keys = torch.cat([keys(i, row.output_ids) for i, row in zip(row_ids, rows)]).to(device)
@@ -272,12 +272,12 @@ def _logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow], tokens: Sequenc
     normalizer = torch.logsumexp(raw, dim=-1, keepdim=True)
     chosen_ids = torch.tensor([[tokens[i]] for i in wanting], device=raw.device)
     chosen = (raw.gather(1, chosen_ids) - normalizer).clamp_min(MIN_LOGPROB).squeeze(1).tolist()
-    most = max(rows[i].params.logprobs for i in wanting)
+    most = max(rows[i].params.logprobs or 0 for i in wanting)
     top_values, top_ids = raw.topk(most, dim=-1) if most else (raw[:, :0], raw[:, :0].long())
-    top_values, top_ids = (top_values - normalizer).clamp_min(MIN_LOGPROB).tolist(), top_ids.tolist()
+    top_logprobs, top_token_ids = (top_values - normalizer).clamp_min(MIN_LOGPROB).tolist(), top_ids.tolist()
     for k, i in enumerate(wanting):
         n = rows[i].params.logprobs
-        found[i] = TokenLogprob(chosen[k], tuple(zip(top_ids[k][:n], top_values[k][:n])))
+        found[i] = TokenLogprob(chosen[k], tuple(zip(top_token_ids[k][:n], top_logprobs[k][:n])))
     return found
 
 
@@ -293,6 +293,7 @@ def score_tokens(logits: torch.Tensor, token_ids: Sequence[int], top_n: int,
         ids = torch.tensor(list(token_ids[first:first + rows_per_slice]), device=raw.device).unsqueeze(1)
         chosen = (raw.gather(1, ids) - normalizer).clamp_min(MIN_LOGPROB).squeeze(1).tolist()
         top_values, top_ids = raw.topk(top_n, dim=-1) if top_n else (raw[:, :0], raw[:, :0].long())
-        top_values, top_ids = (top_values - normalizer).clamp_min(MIN_LOGPROB).tolist(), top_ids.tolist()
-        scored += [TokenLogprob(value, tuple(zip(top_ids[k], top_values[k]))) for k, value in enumerate(chosen)]
+        top_logprobs, top_token_ids = (top_values - normalizer).clamp_min(MIN_LOGPROB).tolist(), top_ids.tolist()
+        scored += [TokenLogprob(value, tuple(zip(top_token_ids[k], top_logprobs[k])))
+                   for k, value in enumerate(chosen)]
     return scored

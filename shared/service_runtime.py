@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from shared import bus, messages, subjects, tracing
 from shared.config import CommonConfig
@@ -97,7 +98,7 @@ async def heartbeat_loop(nc: NATS, role: str, interval_s: float, describe: Calla
     liveness pings with a heartbeat (a dead instance's ping subject has no responders at once).
     Once `failure` is set, both stop at once, before the service's stop: an instance that cannot go
     on must not look alive, and its pings find nobody, as a dead one's do."""
-    async def on_ping(msg) -> None:
+    async def on_ping(msg: Msg) -> None:
         await msg.respond(messages.encode(describe()))
 
     pings = await nc.subscribe(subjects.ping(role, describe().instance_id), cb=on_ping)
@@ -151,7 +152,7 @@ async def run_service(service: Service, name: str) -> int:
         failure.bind()
     await service.start()
     log.info("%s ready", name)
-    waits = {asyncio.ensure_future(stop.wait())}
+    waits: set[asyncio.Future[object]] = {asyncio.ensure_future(stop.wait())}
     if failure is not None:
         waits.add(asyncio.ensure_future(failure.wait()))
     _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)

@@ -11,6 +11,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import Status, StatusCode
+from opentelemetry.util.types import AttributeValue
 
 from shared.names import AbortReason
 
@@ -66,7 +67,7 @@ def mark_aborted(span: trace.Span, reason: str) -> None:
 
 
 def record_span(tracer_: trace.Tracer, name: str, start_ns: int, end_ns: int,
-                attributes: Mapping[str, object] | None = None) -> None:
+                attributes: Mapping[str, AttributeValue] | None = None) -> None:
     """A span for an interval measured after the fact (a wait in a queue), under the current span."""
     span = tracer_.start_span(name, start_time=start_ns, attributes=dict(attributes or {}))
     span.end(end_time=max(start_ns, end_ns))

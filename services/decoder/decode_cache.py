@@ -127,7 +127,8 @@ class CachingRole:
         far) in the cache, and tell the gateway's index what changed."""
         if self.cache is None:
             return
-        seq = request.seq
+        seq = request.sequence
+        assert seq.kv is not None  # admitted: the engine gave it its KV
         cached = seq.kv.length
         events = await self.cache.keep(request.request_id, (seq.prompt_ids + seq.output_ids)[:cached],
                                        lambda start: io.export(request, start, cached))

@@ -85,6 +85,12 @@ class DecodeRequest:
         return self.assign.request_id
 
     @property
+    def sequence(self) -> DecodeSequence:
+        """The request's sequence, for the phases after admission (the only ones that decode)."""
+        assert self.seq is not None, f"{self.request_id} is not admitted"
+        return self.seq
+
+    @property
     def events_subject(self) -> str:
         return subjects.request_events(self.assign.request_id)
 

@@ -15,7 +15,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from services.decoder.request import DecodeRequest, Phase
-from shared.messages import Abort, DecodeAssign
+from shared.messages import Abort, DecodeAssign, Message
 from shared.metrics import DecoderMetrics
 from shared.names import Role
 
@@ -40,7 +40,7 @@ class DecoderIO(Protocol):
 
     async def subscribe(self, subject: str, handler: Callable[[Msg], Awaitable[None]]) -> None: ...
 
-    async def publish(self, subject: str, message: object) -> None: ...
+    async def publish(self, subject: str, message: Message) -> None: ...
 
     async def forward(self, request: DecodeRequest, feed_ids: list[int]) -> str | None:
         """Feed tokens and sample the next one into request.seq.output_ids; the finish reason, if it ends."""

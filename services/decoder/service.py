@@ -31,6 +31,7 @@ from shared.messages import (
     DecodeAssign,
     Heartbeat,
     KVReceived,
+    Message,
     RequestFailed,
     TokenChunk,
 )
@@ -235,11 +236,11 @@ class DecoderService:
     async def subscribe(self, subject: str, handler: Callable[[Msg], Awaitable[None]]) -> None:
         await self.nc.subscribe(subject, cb=handler)
 
-    async def publish(self, subject: str, message: object) -> None:
+    async def publish(self, subject: str, message: Message) -> None:
         await bus.publish(self.nc, subject, message)
 
     async def forward(self, request: DecodeRequest, feed_ids: list[int]) -> str | None:
-        _, finish_reason = await self.engine.step(request.seq, feed_ids)
+        _, finish_reason = await self.engine.step(request.sequence, feed_ids)
         return finish_reason
 
     async def forward_timed(self, request: DecodeRequest, feed_ids: list[int],
@@ -266,7 +267,7 @@ class DecoderService:
         self.engine.mark(request.request_id, what, **fields)
 
     async def publish_token(self, request: DecodeRequest, finish_reason: str | None) -> None:
-        seq = request.seq
+        seq = request.sequence
         self.metrics.output_tokens.inc()
         logprobs = None if seq.last_logprob is None else [seq.last_logprob]
         await bus.publish(self.nc, request.events_subject, TokenChunk(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from aiohttp import web
 from nats.aio.msg import Msg
@@ -60,7 +61,7 @@ class GatewayService:
         self.registry = InstanceRegistry(stale_after_s=STALE_HEARTBEATS * config.common.heartbeat_s,
                                          on_gone=self._on_gone, clock=self.loop_lag.clock)
         for role in Role:
-            self.metrics.live_instances.labels(role).set_function(lambda role=role: len(self.registry.alive(role)))
+            self.metrics.live_instances.labels(role).set_function(self._live_count(role))
         api_key = read_secret(config.api_key_file)
         self.admission = Admission(config.max_running_requests, config.max_queued_requests,
                                    api_key.decode() if api_key else None)
@@ -111,6 +112,9 @@ class GatewayService:
                 await self.dispatcher.abort_orphans(heartbeat)
         except PddError as exc:
             log.debug("bad heartbeat: %s", exc)
+
+    def _live_count(self, role: Role) -> Callable[[], float]:
+        return lambda: len(self.registry.alive(role))
 
     def _on_gone(self, instance_id: str) -> None:
         """A ping found nobody: the instance's caches died with it."""

@@ -10,11 +10,12 @@ import asyncio
 import dataclasses
 import logging
 import time
+from typing import cast
 
 from nats.aio.msg import Msg
 
 from services.decoder.decode_cache import CachingRole
-from services.decoder.request import DecodeRequest, Phase
+from services.decoder.request import DecodeRequest, PeerMessage, Phase
 from services.decoder.role import DecoderIO
 from services.main.takeover import Adoption, Move, Pass, Takeover
 from shared import messages, subjects
@@ -22,6 +23,7 @@ from shared.config import CacheConfig
 from shared.errors import PddError
 from shared.kv_transfer import TransferState
 from shared.messages import Abort, CutComing, Handoff, HandoffStats, KVReady
+from shared.metrics import MainMetrics
 from shared.names import AbortReason, Pipeline, Role
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,12 @@ async def _settled(queued: list[asyncio.Future]) -> None:
     futures = list(queued)
     queued.clear()
     await asyncio.gather(*futures)
+
+
+def _handoff(message: PeerMessage) -> Handoff:
+    """MD's peer messages are RLD's handoffs: _on_handoff queues nothing else."""
+    assert isinstance(message, Handoff), message
+    return message
 
 
 class MainRole(CachingRole):
@@ -102,7 +110,7 @@ class MainRole(CachingRole):
         request.peer_messages.put_nowait(handoff)
 
     async def decode(self, request: DecodeRequest, io: DecoderIO) -> Phase:
-        assign, seq = request.assign, request.seq
+        assign, seq = request.assign, request.sequence
         feed = [assign.prompt_ids[-1]]
         unfeed = 0
         queued: list[asyncio.Future] = []  # the takeover's Catch-Up passes still running or queued
@@ -126,7 +134,7 @@ class MainRole(CachingRole):
                 # its stats go out before its token, so the gateway can mark the cut
                 stats = dataclasses.replace(stats, extend_s=time.monotonic() - t0, extend_wait_s=wait_s)
                 io.metrics.handoffs.labels(stats.mode).inc()
-                io.metrics.handoff_extend.labels(stats.mode).observe(stats.extend_s)
+                cast(MainMetrics, io.metrics).handoff_extend.labels(stats.mode).observe(stats.extend_s)  # MD's
                 await io.publish(request.events_subject, stats)
             else:
                 finish_reason = await io.forward(request, feed)
@@ -145,7 +153,7 @@ class MainRole(CachingRole):
         without a report is queued, not awaited: the cut's pass, queued behind it, joins it in one
         row while it still waits for MD's step. None if RLD finished the request itself.
         """
-        seq = request.seq
+        seq = request.sequence
         kv_wait_s = time.monotonic() - request.assigned_at
         t0 = time.monotonic()
         takeover = Takeover(request.assign.prompt_ids[-1])
@@ -155,7 +163,7 @@ class MainRole(CachingRole):
                 if request.peer_messages.empty():  # else RLD streamed while the KV crossed: report after that pass
                     await self._report_progress(request, io, takeover)  # RLD answers with its tokens, or the cut
                 while True:
-                    handoff = await request.next_peer_message(f"RLD never handed off {request.request_id}")
+                    handoff = _handoff(await request.next_peer_message(f"RLD never handed off {request.request_id}"))
                     first = takeover.adopted
                     while True:
                         adoption = takeover.adopt(handoff)
@@ -167,7 +175,7 @@ class MainRole(CachingRole):
                         seq.output_ids.extend(adoption.new_ids)
                         if adoption.move is Move.CUT or request.peer_messages.empty():
                             break
-                        handoff = request.peer_messages.get_nowait()
+                        handoff = _handoff(request.peer_messages.get_nowait())
                     if adoption.move is Move.CUT:
                         break
                     catch_up = takeover.catch_up_pass(request.cut_announced)
@@ -192,8 +200,9 @@ class MainRole(CachingRole):
         return _Cut(adoption, queued, takeover.stats(request.request_id, kv_wait_s, time.monotonic() - t0))
 
     async def _report_progress(self, request: DecodeRequest, io: DecoderIO, takeover: Takeover) -> None:
-        await io.publish(subjects.kv_ready(request.assign.relay_instance),
-                         KVReady(request.request_id, takeover.adopted))
+        relay = request.assign.relay_instance
+        assert relay is not None  # a takeover is P-RLD-MD's, whose assignment names the RLD
+        await io.publish(subjects.kv_ready(relay), KVReady(request.request_id, takeover.adopted))
         takeover.reported()
 
     async def _publish_token(self, request: DecodeRequest, io: DecoderIO, finish_reason: str | None) -> None:

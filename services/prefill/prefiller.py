@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +58,7 @@ class Prefiller:
         await self.engine.open(request_id, cached_kv, kv_tokens, background=background)
 
     async def chunks(self, request_id: str, prompt_ids: list[int], start: int,
-                     top_n: int | None = None) -> AsyncIterator[ComputedChunk]:
+                     top_n: int | None = None) -> AsyncGenerator[ComputedChunk, None]:
         """The KV of positions [start, n-1) of an n-token prompt, chunk by chunk, in order (the KV
         holds [0, start)).
 

@@ -123,6 +123,12 @@ class PrefillService:
         return Heartbeat(ROLE, self.instance_id, "", 0, self.layout.model_id, len(self.jobs), 0, now(),
                          dict(self.sender.throughput.bytes_per_s), stats)
 
+    @property
+    def _prefix_cache(self) -> CacheWorker:
+        """P's prefix cache, on the paths only a P with one takes (a hit, a warm-up, keeping computed KV)."""
+        assert self.cache is not None
+        return self.cache
+
     async def _on_prefill(self, msg: Msg) -> None:
         try:
             req = messages.decode_as(msg.data, PrefillRequest)
@@ -136,8 +142,8 @@ class PrefillService:
                 await self._start_warm(req)
             return
         # the prompt's logprobs need the logits of every position: a cache hit would skip them
-        cached = self.cache is not None and req.prompt_logprobs is None
-        prefix = await self.cache.call(self.cache.tree.lock, req.prompt_ids[:-1]) if cached else None
+        cache = self.cache if req.prompt_logprobs is None else None
+        prefix = await cache.call(cache.tree.lock, req.prompt_ids[:-1]) if cache is not None else None
         job = PrefillJob(req, prefix, tracing.extract(msg.headers))
         self.metrics.prompt_tokens.inc(job.prompt_kv_tokens)
         self.metrics.cache_hit_tokens.inc(job.cached_tokens)
@@ -146,7 +152,8 @@ class PrefillService:
         await msg.respond(messages.encode(PrefillAccepted(req.request_id, self.instance_id, job.cached_tokens)))
 
     async def _start_warm(self, req: PrefillRequest) -> None:
-        prefix = await self.cache.call(self.cache.tree.lock, req.prompt_ids[:-1])
+        cache = self._prefix_cache
+        prefix = await cache.call(cache.tree.lock, req.prompt_ids[:-1])
         job = PrefillJob(req, prefix)
         self.jobs[req.request_id] = job
         job.task = asyncio.create_task(self._warm(job), name=f"warm-{req.request_id}")
@@ -159,7 +166,8 @@ class PrefillService:
         hit = job.cached_tokens
         try:
             job.move(Phase.COMPUTING)
-            prefix_kv = await self.cache.call(self.cache.tree.pieces, job.prefix) if hit else []
+            cache = self._prefix_cache
+            prefix_kv = await cache.call(cache.tree.pieces, job.prefix) if hit else []
             await self.prefiller.open(req.request_id, len(kv_ids), prefix_kv, background=True)
             async with aclosing(self.prefiller.chunks(req.request_id, req.prompt_ids, hit)) as chunks:
                 computed = [chunk.kv async for chunk in chunks]
@@ -178,7 +186,8 @@ class PrefillService:
             job.move(Phase.FAILED)
         finally:
             self.prefiller.release(req.request_id)
-            self.cache.post(job.prefix.release)
+            assert job.prefix is not None  # _start_warm locked it
+            self._prefix_cache.post(job.prefix.release)
             self.jobs.pop(req.request_id, None)
 
     async def _on_abort(self, msg: Msg) -> None:
@@ -290,7 +299,8 @@ class PrefillService:
                 if hit:
                     # the prefix stays locked until the computed rest is kept after it (finally releases it)
                     # views of the cache's pieces: the engine's copy and the sends read them directly
-                    prefix_kv = await self.cache.call(self.cache.tree.pieces, job.prefix)
+                    cache = self._prefix_cache
+                    prefix_kv = await cache.call(cache.tree.pieces, job.prefix)
                     await self.prefiller.open(req.request_id, len(kv_ids), prefix_kv)
                     start = 0
                     for piece in prefix_kv:
@@ -366,7 +376,7 @@ class PrefillService:
         """Into P's prefix cache: `kv` is the KV of token_ids[kv_start:], after a prefix the caller
         holds locked. The cache's changes go to the gateway's index, which predicts P's compute from
         P's own hit."""
-        events = await self.cache.call(self._insert, token_ids, kv, kv_start)
+        events = await self._prefix_cache.call(self._insert, token_ids, kv, kv_start)
         if not events:
             return
         try:
@@ -376,7 +386,7 @@ class PrefillService:
 
     def _insert(self, token_ids: list[int], kv: torch.Tensor, kv_start: int) -> list[dict]:
         """On the cache's worker: insert, then the events it caused, drained."""
-        self.cache.tree.insert(token_ids, kv, kv_start)
+        self._prefix_cache.tree.insert(token_ids, kv, kv_start)
         events = [event.to_dict() for event in self._cache_events]
         self._cache_events.clear()
         return events

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import cast
 
 from nats.aio.msg import Msg
 
@@ -21,6 +22,7 @@ from shared import messages, subjects
 from shared.config import CacheConfig, HandoffConfig
 from shared.errors import PddError, RequestAborted
 from shared.messages import Abort, CutComing, Handoff, KVReady, MainLost, RequestFailed
+from shared.metrics import RelayMetrics
 from shared.names import HandoffMode, Role
 
 log = logging.getLogger(__name__)
@@ -95,7 +97,7 @@ class RelayRole(CachingRole):
         """If the step in flight makes the cut's last token, tell MD when the cut will come, so its
         engine can hold a step for it instead of starting one the cut must then wait out."""
         if (running.announced or not running.step_s
-                or not running.plan.would_cut(len(request.seq.output_ids) + 1, adopted_tokens)):
+                or not running.plan.would_cut(len(request.sequence.output_ids) + 1, adopted_tokens)):
             return
         running.announced = True
         self.cuts_announced += 1
@@ -109,7 +111,7 @@ class RelayRole(CachingRole):
         return HandoffPlan(mode, self.policy.catch_up_threshold, request.assign.handoff_at)
 
     async def decode(self, request: DecodeRequest, io: DecoderIO) -> Phase:
-        assign, seq = request.assign, request.seq
+        assign, seq = request.assign, request.sequence
         plan = self._plan(request, io.running)
         feed = [assign.prompt_ids[-1]]
         step_s = 0.0  # this request's recent step time, once it has made its first token
@@ -152,7 +154,7 @@ class RelayRole(CachingRole):
                     break
             span.set_attributes({"pdd.eager_tokens": len(seq.output_ids), "pdd.eager_s": time.monotonic() - t0,
                                  "pdd.handoff_rounds": plan.rounds})
-            io.metrics.eager_tokens.observe(len(seq.output_ids))
+            cast(RelayMetrics, io.metrics).eager_tokens.observe(len(seq.output_ids))  # decoder_metrics(RLD)
         return outcome
 
     async def _hand_off(self, request: DecodeRequest, io: DecoderIO, decision: Decision, plan: HandoffPlan) -> None:
@@ -164,7 +166,7 @@ class RelayRole(CachingRole):
                 io.metrics.handoffs.labels(plan.mode.value).inc()
                 io.mark(request, "cut_sent", eager_tokens=decision.end)
             await io.publish(subjects.handoff(request.assign.main_instance), Handoff(
-                request.request_id, request.seq.output_ids[decision.start:decision.end], finished=False,
+                request.request_id, request.sequence.output_ids[decision.start:decision.end], finished=False,
                 start=decision.start, final=final, mode=plan.mode.value))
 
 

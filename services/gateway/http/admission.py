@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from shared.errors import DeadlineExceeded, PddError
 
@@ -125,8 +126,7 @@ class Admission:
         self._mean_run_s = run_s if mean_s is None else mean_s + RUN_S_WEIGHT * (run_s - mean_s)
 
 
-def key_middleware(admission: Admission, open_paths: frozenset[str]) -> Callable[[web.Request, Handler],
-                                                                                Awaitable[web.StreamResponse]]:
+def key_middleware(admission: Admission, open_paths: frozenset[str]) -> Middleware:
     """Every route needs the API key (when one is set) but `open_paths`: a route added later is
     closed unless someone opens it."""
 

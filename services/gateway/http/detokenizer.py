@@ -9,7 +9,10 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, cast
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 REPLACEMENT_CHAR = "\ufffd"
 BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
@@ -20,6 +23,11 @@ PROMPT_CONTEXT_TOKENS = 5
 
 class Decoder(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+def as_decoder(tokenizer: PreTrainedTokenizerBase) -> Decoder:
+    """transformers types decode() as returning str | list[str]; for one list of ids it is a str."""
+    return cast(Decoder, tokenizer)
 
 
 class IncrementalDetokenizer:

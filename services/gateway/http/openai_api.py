@@ -25,7 +25,7 @@ from opentelemetry import trace
 from services.gateway.http.admission import Admission, ClientLeft
 from services.gateway.http.body_reading import read_body
 from services.gateway.http.client_watch import ClientWatch, client_gone
-from services.gateway.http.detokenizer import OutputText, TokenStrings
+from services.gateway.http.detokenizer import OutputText, TokenStrings, as_decoder
 from services.gateway.http.http_errors import error_payload
 from services.gateway.http.prompt_echo import PromptEcho, PromptOnlyServer, echo_of
 from services.gateway.http.request_parsing import (
@@ -75,6 +75,11 @@ class _Step:
     echo: PromptEcho | None = None  # the prompt, on the first step of a completion with echo: text is behind it
 
 
+def _logprob(step: _Step) -> TokenLogprob:
+    assert step.logprob is not None  # _Generation refuses a token without it when logprobs were asked for
+    return step.logprob
+
+
 class _ClientGone(Exception):
     """Writing to the client failed: it disconnected."""
 
@@ -90,12 +95,12 @@ class _Generation:
                  config: GatewayConfig) -> None:
         self.run = run
         self._events = run.tokens()
-        self._text = OutputText(tokenizer, parsed.prompt_ids, parsed.stop, include_stop=parsed.include_stop)
+        self._text = OutputText(as_decoder(tokenizer), parsed.prompt_ids, parsed.stop, include_stop=parsed.include_stop)
         # a client's stop_token_ids are shown, as vLLM shows them (a special token's text is empty anyway)
         self._shown_stop_ids = frozenset(parsed.sampling.stop_token_ids) - frozenset(parsed.sampling.eos_token_ids)
         self._wants_logprobs = parsed.sampling.logprobs is not None
         self._parsed = parsed
-        self._prompt_strings = TokenStrings(tokenizer) if parsed.echo is not None else None
+        self._prompt_strings = TokenStrings(as_decoder(tokenizer)) if parsed.echo is not None else None
         self._deadline = asyncio.get_running_loop().time() + config.request_timeout_s
         self._handoff_reported = False
         self.tokens_by_tier = {str(Role.RELAY): 0, str(Role.MAIN): 0}
@@ -111,6 +116,7 @@ class _Generation:
         event = await self._next_event()
         self.token_log.append((time.monotonic(), event.tier))
         self.tokens_by_tier[event.tier] = self.tokens_by_tier.get(event.tier, 0) + 1
+        finish: str | None
         if event.finish_reason == "stop" and event.token_id not in self._shown_stop_ids:
             # EOS ends the text without showing it, as OpenAI and vLLM do.
             delta = self._text.finish()
@@ -209,15 +215,16 @@ class _Logprobs:
 
     def of(self, steps: list[_Step]) -> Json:
         if self._chat:
-            return {"content": [self._chat_entry(step.token_id, step.logprob) for step in steps]}
-        echo = steps[0].echo.logprobs if steps and steps[0].echo is not None else None
-        if echo is not None:  # the prompt's entries first; the answer's strings count on after them
-            self._text_offset = steps[0].echo.text_offset_end
+            return {"content": [self._chat_entry(step.token_id, _logprob(step)) for step in steps]}
+        first_echo = steps[0].echo if steps else None
+        echo = first_echo.logprobs if first_echo is not None else None
+        if first_echo is not None and echo is not None:  # the prompt's entries first; the answer's count on after
+            self._text_offset = first_echo.text_offset_end
         tokens, offsets = [self._strings.text(step.token_id) for step in steps], []
         for token in tokens:
             offsets.append(self._text_offset)
             self._text_offset += len(token)
-        shaped: Json = {"tokens": tokens, "token_logprobs": [step.logprob.logprob for step in steps],
+        shaped: Json = {"tokens": tokens, "token_logprobs": [_logprob(step).logprob for step in steps],
                         "top_logprobs": [self._alternatives(step) for step in steps], "text_offset": offsets}
         return shaped if echo is None else {key: [*echo[key], *shaped[key]] for key in shaped}  # type: ignore[misc]
 
@@ -230,8 +237,9 @@ class _Logprobs:
         return {"token": text, "logprob": logprob, "bytes": raw}
 
     def _alternatives(self, step: _Step) -> dict[str, float]:
-        alternatives = {self._strings.text(top_id): value for top_id, value in step.logprob.top}
-        alternatives.setdefault(self._strings.text(step.token_id), step.logprob.logprob)
+        logprob = _logprob(step)
+        alternatives = {self._strings.text(top_id): value for top_id, value in logprob.top}
+        alternatives.setdefault(self._strings.text(step.token_id), logprob.logprob)
         return alternatives
 
 
@@ -369,7 +377,7 @@ class OpenAIHandlers:
         self._config = config
         self._max_context_tokens = max_context_tokens
         self._max_prompt_bytes = max_context_tokens * config.max_prompt_bytes_per_token
-        self._token_strings = TokenStrings(tokenizer)
+        self._token_strings = TokenStrings(as_decoder(tokenizer))
         self._prompt_only = PromptOnlyServer(dispatcher, self._telemetry, self._token_strings, served_model,
                                              SYSTEM_FINGERPRINT)
         # The chat template and the tokeniser run here, not on the event loop: a big prompt would

@@ -99,7 +99,8 @@ class PromptOnlyServer:
 
     async def serve(self, request: web.Request, parsed: ParsedRequest, deadline_at: float) -> web.StreamResponse:
         request_id = new_request_id()
-        logprobs, pdd = None, {"pipeline": "", "tokens": []}
+        logprobs: list[TokenLogprob | None] | None = None
+        pdd: Json = {"pipeline": "", "tokens": []}
         if parsed.prompt_logprobs is not None:
             logprobs, pdd = await self._scored(request, request_id, parsed, deadline_at)
         echo = await echo_of(parsed, logprobs, self.strings)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import jinja2
 import orjson
 
+from services.gateway.http.detokenizer import as_decoder
 from services.gateway.http.tool_calls import (
     ToolRequest,
     parse_tool_request,
@@ -134,7 +135,7 @@ def parse_completion_request(body: object, tokenizer: PreTrainedTokenizerBase, s
         return parsed
     prompt = fields["prompt"][0] if isinstance(fields["prompt"], list) and len(fields["prompt"]) == 1 \
         and isinstance(fields["prompt"][0], (str, list)) else fields["prompt"]
-    text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)  # as vLLM echoes token ids
+    text = prompt if isinstance(prompt, str) else as_decoder(tokenizer).decode(prompt_ids)  # as vLLM echoes ids
     return dataclasses.replace(parsed, echo=text)
 
 
@@ -177,8 +178,10 @@ def _chat_prompt_ids(messages: object, tools: ToolRequest | None, tokenizer: Pre
         raise InvalidParam("messages", "messages must be a non-empty list of {role, content} objects")
     prompt = render_chat(messages, tools, native=template_takes_tools(tokenizer), text_message=_chat_message)
     try:
-        encoded = tokenizer.apply_chat_template(prompt.messages, tools=prompt.tools, add_generation_prompt=True,
-                                                tokenize=True)
+        # transformers types messages as dicts of strings and tools as plain dicts; templates take
+        # the tool_calls lists and JSON schemas that render_chat puts in them
+        encoded = tokenizer.apply_chat_template(prompt.messages, tools=prompt.tools,  # type: ignore[arg-type]
+                                                add_generation_prompt=True, tokenize=True)
     except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
         raise InvalidParam("messages", f"the model's chat template cannot render these messages: {exc}") from None
     return _input_ids(encoded)
@@ -202,8 +205,9 @@ def _chat_message(message: object, i: int) -> dict[str, str]:
         return {"role": role, "content": content}
     if isinstance(content, list):
         texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
-        if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
-            return {"role": role, "content": "\n".join(texts)}  # vLLM joins text parts the same way
+        strings = [text for text in texts if isinstance(text, str)]
+        if len(strings) == len(content):
+            return {"role": role, "content": "\n".join(strings)}  # vLLM joins text parts the same way
     raise InvalidParam(f"messages[{i}].content",
                        f"messages[{i}].content must be a string or a list of {{type: 'text', text}} parts")
 

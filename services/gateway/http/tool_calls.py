@@ -240,8 +240,8 @@ def _history_calls(tool_calls: object, i: int) -> list[Json]:
             raise InvalidTools(f"{where}.function.arguments", f"{where}.function.arguments must be a string "
                                                               "holding a JSON object")
         out: Json = {"type": "function", "function": {"name": function["name"], "arguments": parsed}}
-        if isinstance(call.get("id"), str):  # type: ignore[union-attr]
-            out["id"] = call["id"]  # type: ignore[index]
+        if isinstance(call.get("id"), str):
+            out["id"] = call["id"]
         calls.append(out)
     return calls
 

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -43,7 +44,7 @@ class FinishedGeneration(Protocol):
     close_reason: str
 
 
-def tracing_middleware(metrics: GatewayMetrics) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def tracing_middleware(metrics: GatewayMetrics) -> Middleware:
     """The root span of an API request; sits inside error_middleware, so it sees the exception
     and works out the status the client will get."""
     tracer = tracing.tracer("pdd.gateway")

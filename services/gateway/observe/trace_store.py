@@ -11,7 +11,7 @@ import base64
 import gzip
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -56,7 +56,7 @@ def _value(value: AnyValue) -> object:
     return getattr(value, kind)
 
 
-def _attributes(pairs: list[KeyValue]) -> Json:
+def _attributes(pairs: Iterable[KeyValue]) -> Json:
     return {kv.key: _value(kv.value) for kv in pairs}
 
 

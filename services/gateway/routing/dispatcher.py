@@ -12,6 +12,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -52,6 +53,7 @@ from shared.metrics import GatewayMetrics
 from shared.names import AUTO, AbortReason, Pipeline, Role
 
 log = logging.getLogger(__name__)
+Accepted = TypeVar("Accepted", PrefillAccepted, DecodeAccepted)
 
 ASSIGN_TIMEOUT_S = 5.0
 BUSY_ANSWERED_S = 1.0  # an instance that answered a ping this recently is alive, however slow its reply
@@ -267,8 +269,7 @@ class Dispatcher:
         chosen = self._choose_main(req.prompt_ids, avoid)
         if chosen is None:
             decision = PipelineDecision(Pipeline.P_RLD, NO_MAIN_REASON, 0, 0, 0.0, 0.0, 0.0, prefill_hit)
-            relay = self._pick_or_release(Role.RELAY, avoid, [prefill])
-            return decision, {Role.PREFILL: prefill, Role.RELAY: relay}
+            return decision, {Role.PREFILL: prefill, Role.RELAY: self._pick_or_release(Role.RELAY, avoid, [prefill])}
         main, main_hit = chosen
         try:  # RLD's start is half of the prediction; none reachable: P-MD, or whatever the request names
             relay: Instance | None = self._pick_cached(Role.RELAY, req.prompt_ids, avoid)[0]  # RLD caches too
@@ -323,14 +324,15 @@ class Dispatcher:
                     handoff_mode=req.handoff_mode, owner=self.config.common.instance_id, output_offset=output_offset,
                     backfill=self.config.backfill_link_share > 0)
                 decoders = [(role, chosen[role]) for role in (Role.MAIN, Role.RELAY) if role in chosen]
-                accepted = await asyncio.gather(*(self._call(role, inst, assign, headers) for role, inst in decoders))
+                accepted = await asyncio.gather(*(self._call(role, inst, assign, DecodeAccepted, headers)
+                                                  for role, inst in decoders))
                 targets = [KVTarget(role, acc.kv_host, acc.kv_port, acc.cached_tokens,
                                     req.md_kv_delay_s if role is Role.MAIN else 0.0,
                                     held=role is Role.MAIN and decision.hold_main_kv)
                            for (role, _), acc in zip(decoders, accepted)]
                 prefill_accepted = await self._call(Role.PREFILL, chosen[Role.PREFILL], PrefillRequest(
                     req.request_id, req.prompt_ids, targets, self.config.request_timeout_s,
-                    prompt_logprobs=req.prompt_logprobs), headers)
+                    prompt_logprobs=req.prompt_logprobs), PrefillAccepted, headers)
                 attempt.cached_tokens = prefill_accepted.cached_tokens
                 attempt.main_cached_tokens = accepted[0].cached_tokens if Role.MAIN in chosen else 0
                 attempt.main_backfill = Role.MAIN in chosen and accepted[0].backfill
@@ -355,7 +357,7 @@ class Dispatcher:
                                      "pdd.instance.prefill": prefill.heartbeat.instance_id})
                 await self._call(Role.PREFILL, prefill, PrefillRequest(
                     req.request_id, req.prompt_ids, [], self.config.request_timeout_s,
-                    prompt_logprobs=req.prompt_logprobs), tracing.inject())
+                    prompt_logprobs=req.prompt_logprobs), PrefillAccepted, tracing.inject())
         except BaseException:
             await self.stop_attempt(attempt, "dispatch failed")
             raise
@@ -439,10 +441,11 @@ class Dispatcher:
             **({"pdd.main_round_trip_s": self.telemetry.round_trip_s[main.heartbeat.instance_id]}
                if main is not None and main.heartbeat.instance_id in self.telemetry.round_trip_s else {})})
 
-    async def _call(self, role: Role, instance: Instance, msg: object, headers: dict[str, str]) -> object:
+    async def _call(self, role: Role, instance: Instance, msg: PrefillRequest | DecodeAssign,
+                    reply_type: type[Accepted], headers: dict[str, str]) -> Accepted:
+        """P's PrefillAccepted or a decoder's DecodeAccepted (`reply_type`), naming the instance in a failure."""
         instance_id = instance.heartbeat.instance_id
         subject = subjects.prefill(instance_id) if role is Role.PREFILL else subjects.decode_assign(role, instance_id)
-        reply_type = PrefillAccepted if role is Role.PREFILL else DecodeAccepted
         try:
             return await bus.request(self.nc, subject, msg, reply_type, ASSIGN_TIMEOUT_S, headers)
         except (PeerGone, DeadlineExceeded) as exc:

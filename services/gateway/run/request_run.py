@@ -60,7 +60,7 @@ from shared.messages import (
     RequestFailed,
     TokenChunk,
 )
-from shared.names import HandoffMode, Pipeline, Role
+from shared.names import FailurePolicy, HandoffMode, Pipeline, Role
 from shared.sampling import TokenLogprob
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ class RequestRun:
         self.request = req
         self.request_id = req.request_id
         self.config = config
-        self.failure_policy = req.failure_policy or config.failure_policy
+        self.failure_policy = req.failure_policy or FailurePolicy(config.failure_policy)
         self._start_attempt = start_attempt
         self._stop_attempt = stop_attempt  # idempotent per attempt
         self._is_alive = is_alive
@@ -209,11 +209,18 @@ class RequestRun:
             log.warning("%s: dropped a malformed event: %s", self.request_id, exc)
 
     @property
+    def current_attempt(self) -> Attempt:
+        """The attempt in flight: a run has one from start() on."""
+        assert self.attempt is not None, f"{self.request_id} has not started"
+        return self.attempt
+
+    @property
     def waiting_for_prefill(self) -> bool:
         """The current attempt has no token and P has not finished sending its KV: the request waits
         in P's queue or is being computed. The next-token deadline does not run then; P's liveness
         pings (a dead P is a lost tier) and the request deadline bound the wait."""
-        return self.attempt.prefill is None and len(self.token_ids) <= self.attempt.output_offset
+        attempt = self.current_attempt
+        return attempt.prefill is None and len(self.token_ids) <= attempt.output_offset
 
     async def tokens(self) -> AsyncIterator[TokenEvent]:
         """Tokens in index order, each once; raises the failure of any tier it cannot recover from.
@@ -261,7 +268,7 @@ class RequestRun:
         cannot recover from."""
         if not self._is_current(event):
             return []
-        attempt = self.attempt
+        attempt = self.current_attempt
         if isinstance(event, TokenChunk):
             return self._merge(event)
         if isinstance(event, KVReceived):
@@ -283,7 +290,10 @@ class RequestRun:
         elif isinstance(event, RequestFailed):
             tier = event.path or event.tier
             stopping = event.code == InstanceStopping.code and tier == event.tier
-            instance = attempt.instances.get(tier)
+            try:
+                instance = attempt.instances.get(Role(tier))
+            except ValueError:  # not a role's tier: _on_tier_lost fails the run
+                instance = None
             if stopping and instance is not None and self._on_gone is not None:
                 self._on_gone(instance)  # before the migration picks: it must not be picked again
             await self._on_tier_lost(tier, f"{event.tier}: {event.message}", event.code, gone=stopping)
@@ -314,7 +324,7 @@ class RequestRun:
 
     def _merge(self, chunk: TokenChunk) -> list[TokenEvent]:
         """The chunk's tokens that extend what the client has, in order; later ones wait for the gap."""
-        attempt = self.attempt
+        attempt = self.current_attempt
         start = attempt.output_offset + chunk.start
         if chunk.tier == Role.MAIN:
             self._cut(attempt, start)
@@ -341,7 +351,7 @@ class RequestRun:
         or its ping found nobody (the gateway pings every instance in use, routing/liveness.py)."""
         if self._is_alive is None:
             return
-        attempt = self.attempt
+        attempt = self.current_attempt
         for role, instance_id in list(attempt.instances.items()):
             if role not in attempt.lost and not self._is_alive(instance_id):
                 await self._on_tier_lost(role, f"{role} instance {instance_id} stopped answering", PeerGone.code,
@@ -350,7 +360,7 @@ class RequestRun:
 
     async def _on_tier_lost(self, tier: str, message: str, code: str, gone: bool) -> None:
         """`gone`: the instance is (the watchdog); otherwise it failed this request and may be alive."""
-        attempt = self.attempt
+        attempt = self.current_attempt
         try:
             role = Role(tier)
         except ValueError:
@@ -393,7 +403,7 @@ class RequestRun:
     async def _migrate(self, tier: Role, reason: str, preempted: bool = False) -> None:
         """Let the attempt go and dispatch the request again, continuing after the tokens streamed."""
         streamed = list(self.token_ids)
-        await self._let_go(self.attempt, "migrated")
+        await self._let_go(self.current_attempt, "migrated")
         self._pending.clear()
         req = self.request
         moved = dataclasses.replace(
@@ -438,11 +448,10 @@ class RequestRun:
             "instances": self.instances,
             "recovery": self.recovery,
             "migrations": list(self.migrations),
-            "policy": None if self.decision is None else self._policy_summary(),
+            "policy": None if (decision := self.decision) is None else self._policy_summary(decision),
         }
 
-    def _policy_summary(self) -> dict:
-        decision = self.decision
+    def _policy_summary(self, decision: PipelineDecision) -> dict:
         main_kv = self.kv_received.get(Role.MAIN)
         return {"reason": decision.reason, "main_hit_predicted": decision.main_hit_tokens,
                 "wan_bytes_predicted": decision.wan_bytes, "main_kv_held": decision.hold_main_kv,
