@@ -302,7 +302,11 @@ def services_running(compose: dict, module: str) -> dict[str, dict]:
 
 
 def nats_services(compose: dict) -> dict[str, dict]:
-    return {name: s for name, s in compose["services"].items() if str(s.get("image", "")).startswith("nats:")}
+    """Services that run nats-server: from the pdd image (its entrypoint) or the public nats image."""
+    def runs_nats(service: dict) -> bool:
+        argv = [*(service.get("entrypoint") or []), *(service.get("command") or [])]
+        return str(service.get("image", "")).startswith("nats:") or argv[:1] == ["nats-server"]
+    return {name: s for name, s in compose["services"].items() if runs_nats(s)}
 
 
 def networks(service: dict) -> set[str]:
