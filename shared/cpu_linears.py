@@ -1,31 +1,38 @@
-"""oneDNN-prepacked linears for a bfloat16 model on a CPU.
+"""The linears of a bfloat16 model on a CPU: weights packed once for oneDNN, and a decoder's rows
+computed so that a row's output never depends on how many rows share its call.
 
-`F.linear` on a bfloat16 CPU tensor calls oneDNN, which reorders the weight into its blocked
-layout on every call; at decode sizes that reorder is a third of the matmul's time (SmolLM2,
+Packing. `F.linear` on a bfloat16 CPU tensor calls oneDNN, which reorders the weight into its
+blocked layout on every call; at decode sizes that reorder is a third of the matmul's time (SmolLM2,
 one thread, all linears of one forward: 35.8 against 21.7 ms at one row, 51.4 against 32.8 at
-sixteen). `pack_linears` does the reorder once, at load, and calls oneDNN's linear with the
-packed weight, which computes bit-identical outputs (the same kernel; checked at start-up on a
-probe). float32 models are left alone: there the packed kernel rounds differently from MKL's,
-and transformers' float32 results stay the reference.
+sixteen). `CpuLinear` does the reorder once, at load, and calls oneDNN's linear with the packed
+weight. A shape is packed only where the probe at load finds the packed kernel giving F.linear's
+bits at the row counts the layer will be called with; elsewhere it stays on F.linear, and oneDNN
+builds without a bfloat16 reorder (CPUs without AVX-512, e.g. AVX2 only) pack nothing.
 
-For the shapes where oneDNN rounds a row alone differently from the same row among others
-(probed at load; of SmolLM2's, only the MLP down projection, 1536 inputs: there a single row
-differs in the last bit where every count from 2 to 128 agrees), a single row is computed as the
-first of two copies of it. Without that, a request's outputs would depend on whether it had its
-step to itself, and MD's one-pass recomputation of RLD's eager tokens would not give RLD's KV.
-Two rows cost about what one does there (46 against 45 µs); doing it for every linear cost 4 ms of
-a 34 ms step, so the others are left alone.
+Rows alike. oneDNN picks its kernel by the call's shape, and kernels round differently: a row's
+bits can depend on how many rows share the call. Then a request's tokens would depend on its batch,
+and MD's one-pass recomputation of RLD's eager tokens would not give RLD's KV. What the load-time
+probe found (SmolLM2's shapes, one thread):
+- AVX-512 BF16 or AMX: every count from 1 to 32 rounds a row as a row alone; 33 and more do not.
+- one CPU of that kind: a single row of the MLP down projection (1536 inputs) rounds apart from
+  every count from 2 to 128, which agree with each other.
+- AVX-512 without BF16 (`ONEDNN_MAX_CPU_ISA=AVX512_CORE`), and AVX2: counts disagree from 2 to 14
+  rows on, shape by shape.
+So a decoder's layer runs its rows in calls of `pad_to` to `max_rows` rows (a smaller call is
+padded, a larger one split), the largest range the probe found alike for that shape, each row
+against the row alone (`pad_to` 1) or the row padded to two (`pad_to` 2). Where nothing is alike,
+that is one row per call: slower, and exact by construction. P's runner neither pads nor splits: its
+rows are a prompt's, never compared with another tier's, and splitting a 512-row chunk costs two to
+three times the call.
 
-Some CPUs of the same kind switch kernels at a row count as well: on one, every shape of
-SmolLM2's rounds rows differently in calls of 33 rows or more than in calls of 32 or fewer. The load-time probe finds the largest count up to which every probed count
-rounds like a row alone (`rows_per_call`); a decoder's calls with more rows are split into calls
-of at most that many, so its rows still come out alike whatever shares the step. P's runner does
-not split: its rows are a prompt's, never compared with another tier's, and splitting a 512-row
-chunk costs two to three times the call.
+float32 models are left alone: transformers' float32 results are the reference there.
 """
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -33,118 +40,186 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
+PROBED_ROWS = 64  # counts probed for a decoder's layer; larger calls are always split
+PROBES = 3  # random inputs per count: a rounding difference shows only on some values
+P_PROBED_ROWS = (1, 3, 33, 100)  # counts at which P's packed layers must give F.linear's bits
+DECODER_PROBED_ROWS = (1, 2, 3, 4, 8, 16, 32, 33, 64)  # likewise for a decoder's
+CPU_PROBE_SHAPES = ((1536, 576),)  # (inputs, outputs) probed for every decoder's plan, besides its own
 
-class PackedLinear(nn.Module):
-    """A `nn.Linear`'s forward with its weight in oneDNN's layout.
+Matmul = Callable[[torch.Tensor], torch.Tensor]  # [rows, in_features] -> [rows, out_features]
 
-    The plain weight is kept only when another module shares it (a tied LM head and input
-    embeddings), so packing does not double the model's memory.
+
+@dataclass(frozen=True)
+class RowPlan:
+    """How a layer's calls are shaped. pad_to: calls of fewer rows are padded to this many;
+    max_rows: calls of more rows are split into calls of at most this many (0: never split)."""
+    pad_to: int = 1
+    max_rows: int = 0
+
+    def calls(self, rows: int) -> list[tuple[int, int]]:
+        """(first row, rows) of each call a `rows`-row input is computed in."""
+        step = self.max_rows or rows
+        return [(start, min(step, rows - start)) for start in range(0, rows, step)]
+
+
+class CpuLinear(nn.Module):
+    """An `nn.Linear`'s forward on a CPU, its weight packed for oneDNN or not, its calls shaped by a RowPlan.
+
+    The plain weight is kept when unpacked, or when another module shares it (a tied LM head and
+    input embeddings), so packing does not double the model's memory.
     """
 
-    def __init__(self, linear: nn.Linear, keep_weight: bool, single_row_as_two: bool = False,
-                 rows_per_call: int = 0) -> None:
-        """`rows_per_call`: split calls with more rows into calls of at most that many (0: never)."""
+    def __init__(self, linear: nn.Linear, plan: RowPlan, packed: bool, keep_weight: bool) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.bias = linear.bias
-        self.single_row_as_two = single_row_as_two
-        self.rows_per_call = rows_per_call
-        if keep_weight:
+        self.plan = plan
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None) if packed else None
+        if keep_weight or not packed:
             self.weight = linear.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.rows_per_call and rows > self.rows_per_call:  # see the module's docstring
-            flat = x.reshape(rows, self.in_features)
-            parts = [self._call(flat[i:i + self.rows_per_call]) for i in range(0, rows, self.rows_per_call)]
-            return torch.cat(parts).reshape(*x.shape[:-1], self.out_features)
-        return self._call(x)
+        if rows >= self.plan.pad_to and (not self.plan.max_rows or rows <= self.plan.max_rows):
+            return self._matmul(x.contiguous())
+        flat = x.reshape(rows, self.in_features)
+        parts = [self._padded(flat.narrow(0, start, n)) for start, n in self.plan.calls(rows)]
+        return torch.cat(parts).reshape(*x.shape[:-1], self.out_features)
 
-    def _call(self, x: torch.Tensor) -> torch.Tensor:
-        if self.single_row_as_two and x.numel() == self.in_features:  # see the module's docstring
-            two = torch.cat([x, x], dim=-2).contiguous()
-            return torch.ops.mkldnn._linear_pointwise(two, self.packed, self.bias, "none", [], "").narrow(-2, 0, 1)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+    def _padded(self, rows: torch.Tensor) -> torch.Tensor:
+        n = rows.shape[0]
+        if n >= self.plan.pad_to:
+            return self._matmul(rows.contiguous())
+        filler = rows[:1].expand(self.plan.pad_to - n, -1)  # rows never mix in a matmul: any filler will do
+        return self._matmul(torch.cat([rows, filler])).narrow(0, 0, n)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        packed = "packed" if self.packed is not None else "F.linear"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"{packed}, pad_to={self.plan.pad_to}, max_rows={self.plan.max_rows}")
 
 
 def can_pack(model: nn.Module) -> bool:
-    """True for a bfloat16 model on a CPU whose torch has oneDNN and whose packed linear matches F.linear."""
+    """True for a bfloat16 model on a CPU whose torch's oneDNN can reorder bfloat16 weights here."""
     param = next(model.parameters())
     if param.device.type != "cpu" or param.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
         return False
     try:
-        weight = torch.randn(96, 64).to(torch.bfloat16)
-        x = torch.randn(1, 3, 64).to(torch.bfloat16)
-        probe = PackedLinear(_linear_of(weight), keep_weight=False)
-        with torch.inference_mode():
-            return torch.equal(probe(x), F.linear(x, weight))
-    except (RuntimeError, AttributeError) as exc:  # a torch built without these ops
-        log.info("packed linears unavailable: %s", exc)
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+    except (RuntimeError, AttributeError) as exc:  # no such op, or this CPU has no bfloat16 path for it
+        log.info("packed linears: off, oneDNN cannot pack bfloat16 weights here: %s", exc)
         return False
+    return True
 
 
-def pack_linears(model: nn.Module, split_rows: bool = True) -> int:
-    """Replace every nn.Linear of `model` with a PackedLinear, in place; how many were replaced.
-    `split_rows`: calls with more rows than the probe found alike are split (decoders; not P)."""
-    if not can_pack(model):
+Shape = tuple[int, int, bool]  # a linear's in_features, out_features, and whether it has a bias
+
+
+def adapt_linears(model: nn.Module, row_invariant: bool = True, pack: bool = True) -> int:
+    """Replace every nn.Linear of a bfloat16 CPU model with a CpuLinear, in place; how many were packed.
+
+    `row_invariant`: a decoder's model, whose rows must come out alike at any count (see the module's
+    docstring); P's passes False. `pack`: use the packed kernel where the probe finds it exact. The
+    probes run on made-up weights of each shape (oneDNN picks its kernel by shape, not by values),
+    once per process."""
+    param = next(model.parameters())
+    if param.device.type != "cpu" or param.dtype != torch.bfloat16:
         return 0
+    packing = pack and can_pack(model)
     owners: dict[int, int] = {}
     for module in model.modules():
-        for param in module.parameters(recurse=False):
-            owners[id(param)] = owners.get(id(param), 0) + 1
-    replaced = 0
-    probed: dict[tuple[int, int, bool], tuple[bool, int]] = {}
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                shape = (child.in_features, child.out_features, child.bias is not None)
-                if shape not in probed:
-                    probed[shape] = (one_row_rounds_apart(child), rows_alike(child) if split_rows else 0)
-                single_row_as_two, rows_per_call = probed[shape]
-                setattr(parent, name, PackedLinear(child, keep_weight=owners[id(child.weight)] > 1,
-                                                   single_row_as_two=single_row_as_two, rows_per_call=rows_per_call))
-                replaced += 1
-    split = {shape: rows for shape, (_, rows) in probed.items() if rows}
-    if split:
-        log.info("packed linears: calls split above these row counts, where oneDNN rounds apart: %s", split)
-    return replaced
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    linears = [(parent, name, child) for parent in list(model.modules())
+               for name, child in list(parent.named_children()) if type(child) is nn.Linear]
+    shapes = sorted({_shape(child) for _, _, child in linears})
+    packed = {shape: packing and packed_matches(shape, row_invariant) for shape in shapes}
+    plan = decoder_plan(tuple(packed.items())) if row_invariant else RowPlan()
+    for parent, name, child in linears:
+        setattr(parent, name, CpuLinear(child, plan, packed[_shape(child)], keep_weight=owners[id(child.weight)] > 1))
+    for (inputs, outputs, _), on in packed.items():
+        if packing and not on:
+            log.info("packed linears: off for %dx%d, where oneDNN's packed kernel rounds apart from F.linear",
+                     inputs, outputs)
+    count = sum(packed[_shape(child)] for _, _, child in linears)
+    if row_invariant:
+        log.info("linears: a row gets the bits it gets %s, in calls of at most %d rows (%d of %d packed)",
+                 "alone" if plan.pad_to == 1 else f"among {plan.pad_to}", plan.max_rows, count, len(linears))
+    return count
 
 
-PROBED_ROWS = 64
-PROBES = 3  # inputs to probe with: a rounding difference shows only on some values
+def _shape(linear: nn.Linear) -> Shape:
+    return linear.in_features, linear.out_features, linear.bias is not None
 
 
-def rows_alike(linear: nn.Linear) -> int:
-    """The largest row count up to which every count rounds each row as a row alone does (one row
-    as two), probed up to PROBED_ROWS on PROBES random inputs; 0 when all of them do (no split)."""
-    probe = PackedLinear(linear, keep_weight=True, single_row_as_two=True)
+@functools.cache
+def packed_matches(shape: Shape, decoder: bool) -> bool:
+    """Whether the packed kernel gives F.linear's bits at each count of rows a decoder's (or P's) calls have."""
+    linear = _made_up_linear(shape)
+    packed = CpuLinear(linear, RowPlan(), packed=True, keep_weight=False)
+    counts = DECODER_PROBED_ROWS if decoder else P_PROBED_ROWS
+    with torch.inference_mode():
+        for seed in range(PROBES):
+            x = _probe_input(max(counts), linear.in_features, seed)
+            if not all(torch.equal(packed(x[:n]), F.linear(x[:n], linear.weight, linear.bias)) for n in counts):
+                return False
+    return True
+
+
+@functools.cache
+def decoder_plan(packed: tuple[tuple[Shape, bool], ...]) -> RowPlan:
+    """The plan for a decoder whose layers have these shapes, packed or not; also probed on
+    SmolLM2's MLP shapes, where a kernel's rounding shows on nearly every row (a small model's own
+    shapes may show it on one row in hundreds)."""
+    kinds = {on for _, on in packed}
+    probed = [*packed, *(((inputs, outputs, False), on) for inputs, outputs in CPU_PROBE_SHAPES for on in kinds)]
+    kernels = [(CpuLinear(_made_up_linear(shape), RowPlan(), on, keep_weight=False), shape[0])
+               for shape, on in probed]
+    return row_plan(kernels)
+
+
+def _made_up_linear(shape: Shape) -> nn.Linear:
+    inputs, outputs, bias = shape
+    generator = torch.Generator().manual_seed(inputs * 7919 + outputs)
+    linear = nn.Linear(inputs, outputs, bias=bias, dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(outputs, inputs, generator=generator) * inputs ** -0.5)
+        if linear.bias is not None:
+            linear.bias.copy_(torch.randn(outputs, generator=generator) * 0.1)
+    return linear
+
+
+def row_plan(kernels: Sequence[tuple[Matmul, int]]) -> RowPlan:
+    """One plan for all of a model's layers, under which every row gets one kernel's bits: a row
+    padded to two where any layer rounds a row alone apart from the same row among others (the
+    kernel for one row differs from the one for many: a CPU property, so decided once for all
+    layers), and calls split above the smallest count up to which every layer's counts agree."""
+    pad_to = 2 if any(_rows_alike(k, inputs, pad_to=1) == 1 for k, inputs in kernels) else 1
+    max_rows = min(_rows_alike(k, inputs, pad_to) for k, inputs in kernels)
+    if max_rows < pad_to:  # a row's bits depend on its neighbours: one row a call
+        return RowPlan(pad_to=1, max_rows=1)
+    return RowPlan(pad_to=pad_to, max_rows=max_rows)
+
+
+def _rows_alike(matmul: Matmul, in_features: int, pad_to: int) -> int:
+    """The largest count N up to PROBED_ROWS such that every count from pad_to to N gives each row
+    the bits it gets padded to pad_to rows (by copies of itself); 0 when not even pad_to does."""
     alike = PROBED_ROWS
     with torch.inference_mode():
         for seed in range(PROBES):
-            x = torch.randn(alike, linear.in_features, generator=torch.Generator().manual_seed(seed))
-            x = x.to(linear.weight.dtype)
-            alone = torch.cat([probe(x[i:i + 1]) for i in range(alike)])
-            alike = next((rows - 1 for rows in range(2, alike + 1) if not torch.equal(probe(x[:rows]), alone[:rows])),
+            x = _probe_input(alike, in_features, seed)
+            alone = torch.cat([matmul(x[i:i + 1].expand(pad_to, -1).contiguous())[:1] for i in range(alike)])
+            alike = next((n - 1 for n in range(pad_to, alike + 1) if not torch.equal(matmul(x[:n]), alone[:n])),
                          alike)
-    return 0 if alike == PROBED_ROWS else alike
+            if alike < pad_to:
+                return 0
+    return alike
 
 
-def one_row_rounds_apart(linear: nn.Linear) -> bool:
-    """Whether oneDNN rounds a row alone differently from the same row among others for this
-    linear's shape (a probe of random rows; the kernel oneDNN picks depends on the shape). 32 rows:
-    a call that a decoder may split still compares with the kernel its parts use."""
-    probe = PackedLinear(linear, keep_weight=True)
-    x = torch.randn(32, linear.in_features, generator=torch.Generator().manual_seed(0)).to(linear.weight.dtype)
-    with torch.inference_mode():
-        together = probe(x)
-        return not all(torch.equal(probe(x[i:i + 1]), together[i:i + 1]) for i in range(32))
-
-
-def _linear_of(weight: torch.Tensor) -> nn.Linear:
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
-    linear.weight = nn.Parameter(weight, requires_grad=False)
-    return linear
+def _probe_input(rows: int, in_features: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.randn(rows, in_features, generator=torch.Generator().manual_seed(seed)).to(dtype)

@@ -24,7 +24,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from shared import cpu_attention
 from shared.cpu_attention import DecodeAttention, KernelUnavailable
-from shared.cpu_linears import pack_linears
+from shared.cpu_linears import adapt_linears
 from shared.sampling import SamplingParams, SamplingRow, TokenLogprob
 
 if TYPE_CHECKING:
@@ -312,8 +312,8 @@ class ModelRunner:
         bfloat16_kv = self.decode_attention is not None and self.dtype == torch.bfloat16
         self.kv_dtype = torch.float32 if half and not bfloat16_kv else self.dtype
         model.set_attn_implementation(ATTENTION)
-        # bfloat16 on a CPU: same outputs, weights reordered once; a decoder's rows alike at any count
-        self.packed_linears = pack_linears(model, split_rows=row_invariant)
+        # bfloat16 on a CPU: weights packed where that changes no bit; a decoder's rows alike at any count
+        self.packed_linears = adapt_linears(model, row_invariant=row_invariant)
         log.info("%s on %s: one-token attention by %s, KV kept in %s, %d linears packed", self.dtype, self.device,
                  "pdd's CPU kernel" if self.decode_attention else "torch's SDPA", self.kv_dtype, self.packed_linears)
 

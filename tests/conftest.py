@@ -1,6 +1,10 @@
-"""Fixtures shared by the end-to-end tests: the tiny model and a reference `generate`."""
+"""Fixtures shared by the tests (the tiny model, a reference `generate`), and the `e2e` mark: a
+test that starts processes, found from its own code and its fixtures', so `pytest -m "not e2e"`
+is the fast tier."""
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -11,6 +15,28 @@ import torch
 from shared.models import load_model, load_tokenizer, resolve_model
 
 Generate = Callable[[list[int], int], list[int]]
+
+# What starts a process: a stack, a nats-server, a service, a CLI run, a compose check.
+STARTS_PROCESSES = ("LocalStack", "subprocess.", "Popen", "create_subprocess", "restart_patched", "run_stack",
+                    "pdd_up", "_pdd_command")
+
+
+@functools.cache
+def _starts_processes(func: Callable[..., object]) -> bool:
+    try:
+        source = inspect.getsource(func)
+    except (OSError, TypeError):
+        return False
+    return any(word in source for word in STARTS_PROCESSES)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if not isinstance(item, pytest.Function) or item.get_closest_marker("e2e"):
+            continue
+        fixtures = [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
+        if any(_starts_processes(func) for func in (item.function, *fixtures)):
+            item.add_marker(pytest.mark.e2e)
 
 
 def reference_generate(model_path: Path, dtype: str = "float32") -> Generate:

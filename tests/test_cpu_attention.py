@@ -15,6 +15,8 @@ from shared.cpu_attention import KernelUnavailable
 from shared.model_runner import KERNEL_ROW_TOKENS, ModelRunner, PackedRow, pick_decode_attention
 from shared.models import load_model
 
+pytestmark = pytest.mark.exactness
+
 
 @pytest.fixture(scope="module")
 def kernel():

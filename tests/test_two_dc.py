@@ -20,6 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from shared import bus, messages, subjects
+from shared.cpu_linears import adapt_linears
 from shared.model_runner import ATTENTION
 from shared.models import load_model
 from tools.api_client import ApiError, StreamResult, stream_completion
@@ -351,6 +352,7 @@ def fp32_prefill_bf16_decode(model_path: Path) -> Generate:
     decoding in bfloat16 from the last prompt token."""
     fp32, bf16 = load_model(model_path, "float32", "cpu"), load_model(model_path, "bfloat16", "cpu")
     bf16.set_attn_implementation(ATTENTION)  # a decoder's arithmetic: one query token attends in float32
+    adapt_linears(bf16)  # and its linears, packed and planned as this CPU's oneDNN needs (shared/cpu_linears.py)
 
     @torch.inference_mode()
     def generate(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
@@ -407,6 +409,7 @@ async def test_a_gateway_in_b_talks_through_bs_nats_server_and_p_keeps_to_its_co
     assert allowed_cores(mixed_stack.processes["relay"].pid) == allowed_cores(os.getpid()), "unpinned: as the launcher"
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("pipeline", ["p-md", "p-rld-md"])
 async def test_fp32_prefill_with_bf16_decoders_is_token_exact_against_that_arithmetic(
         mixed_stack: LocalStack, session: aiohttp.ClientSession, mixed_generate: Generate, pipeline: str) -> None:
@@ -430,6 +433,7 @@ async def test_fp32_prefill_with_bf16_main_decode_matches_a_bf16_single_node_run
         assert result.token_ids == generate_bf16(prompt, MIXED_TOKENS), f"prompt of {len(prompt)} tokens"
 
 
+@pytest.mark.exactness
 async def test_bf16_on_the_wire_halves_the_kv_bytes_and_changes_no_token(
         mixed_stack: LocalStack, session: aiohttp.ClientSession, mixed_generate: Generate) -> None:
     restarted_at = time.time()

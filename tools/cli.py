@@ -15,11 +15,11 @@ import sys
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
+from shared.models import resolve_model, served_model_name
+from tools.bench.cli import add_bench_parser
 from tools.demo import DEFAULT_PIPELINE, DEFAULT_PROMPT, DemoError, DemoOptions, TierPainter, run_demo
 from tools.launcher import LocalStack
 from tools.stack_config import StackConfig, StackError
-from shared.models import resolve_model, served_model_name
-from tools.bench.cli import add_bench_parser
 
 log = logging.getLogger("pdd")
 T = TypeVar("T")
