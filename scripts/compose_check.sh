@@ -164,6 +164,26 @@ step "laptop: MD killed mid-stream"
 run_probe recovery "$API" "podman kill pdd-laptop_main_1"
 ok
 
+step "operator mistakes"
+mistake() {  # mistake EXPECTED_LAST_LINE PODMAN_RUN_ARGS...: exit status 1 and that one line
+  local expected=$1 out code=0; shift
+  out=$(podman run --rm "$@" 2>&1) || code=$?
+  [ "$code" != 0 ] || fail "podman run $* exited 0"
+  [ "$(tail -n1 <<<"$out")" = "$expected" ] || fail "podman run $*: last line '$(tail -n1 <<<"$out")', not '$expected'"
+  say "  exit $code: $expected"
+}
+mistake '--kv-secret-file /run/secrets/kv_secret: No such file or directory: P, RLD and MD each need the same secret file (docs/deploy.md, "Secrets")' \
+  "$IMAGE" services.main --model tiny --kv-secret-file /run/secrets/kv_secret
+mistake "gateway cannot start: --nats-password-file /run/secrets/nats_password: no such file" \
+  "$IMAGE" services.gateway --model tiny --nats-user pdd --nats-password-file /run/secrets/nats_password
+mistake "prefill cannot start: --model 'smollm3': not 'smollm2', 'tiny', or a directory with config.json" \
+  "$IMAGE" services.prefill --model smollm3
+# a host port in use (the laptop's API port, still published): the engine refuses the container
+out=$(podman run --rm -d -p "127.0.0.1:$PORT:8000" "$IMAGE" 2>&1) && { podman rm -f "$out" >/dev/null; fail "a second container got host port $PORT"; }
+grep -q "address already in use" <<<"$out" || fail "port in use: podman said '$(tail -n1 <<<"$out")'"
+say "  port in use: $(tail -n1 <<<"$out")"
+ok
+
 step "laptop: down"
 compose pdd-laptop compose/laptop.yaml down
 nothing_left pdd-laptop

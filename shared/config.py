@@ -100,7 +100,11 @@ def read_secret(path: str) -> bytes | None:
     """The KV secret's bytes, or None when no file is configured; an empty file is an error."""
     if not path:
         return None
-    secret = Path(path).read_bytes().strip()
+    try:
+        secret = Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise SystemExit(f"--kv-secret-file {path}: {exc.strerror}: P, RLD and MD each need the same secret "
+                         "file (docs/deploy.md, \"Secrets\")") from exc
     if not secret:
         raise SystemExit(f"--kv-secret-file {path} is empty")
     return secret

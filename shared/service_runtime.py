@@ -127,11 +127,20 @@ def now() -> float:
     return time.time()
 
 
+# What an operator names wrongly at start (a file, a model, a port, NATS credentials): one line that
+# says so, not a traceback (a container's log shows only its last lines).
+START_ERRORS = (bus.NatsConfigError, OSError)
+
+
 def serve(name: str, common: CommonConfig, make_service: Callable[[], Service]) -> None:
     """A service's whole life as its __main__ runs it: logging and tracing set up, then run_service."""
     setup_logging(common.log_level, common.instance_id)
     tracing.setup_tracing(f"pdd-{name}", common.instance_id, common.otlp_endpoint)
-    sys.exit(asyncio.run(run_service(make_service(), name)))
+    try:
+        service = make_service()
+    except START_ERRORS as exc:
+        raise SystemExit(f"{name} cannot start: {exc}") from exc
+    sys.exit(asyncio.run(run_service(service, name)))
 
 
 async def run_service(service: Service, name: str) -> int:
@@ -150,7 +159,10 @@ async def run_service(service: Service, name: str) -> int:
     failure: ServiceFailure | None = getattr(service, "failure", None)
     if failure is not None:
         failure.bind()
-    await service.start()
+    try:
+        await service.start()
+    except START_ERRORS as exc:
+        raise SystemExit(f"{name} cannot start: {exc}") from exc
     log.info("%s ready", name)
     waits: set[asyncio.Future[object]] = {asyncio.ensure_future(stop.wait())}
     if failure is not None:
