@@ -17,7 +17,6 @@
 #   PDD_CA_BUNDLE        CA bundle for pip in the build (default /etc/ssl/certs/ca-certificates.crt)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-REPO=$PWD
 
 W=${PDD_CONTAINERS_DIR:-/var/tmp/pdd-containers}
 LOGS=$W/logs
@@ -27,7 +26,9 @@ PORT=${PDD_CHECK_PORT_BASE:-18000}
 STEP=""
 STEP_BEGAN=0
 CHECK_BEGAN=$SECONDS
-PROJECTS=(pdd-laptop pdd-dc-a pdd-dc-b)
+# Projects of the check's own, so that a stack a developer runs (pdd-laptop, ...) is left alone.
+LAPTOP=pdd-check-laptop DC_A=pdd-check-dc-a DC_B=pdd-check-dc-b
+PROJECTS=($LAPTOP $DC_A $DC_B)
 mkdir -p "$LOGS"
 
 say() { echo "compose-check: $*"; }
@@ -53,12 +54,12 @@ run_probe() {  # run_probe ARGS...: print the probe's line, fail with it
 step "podman"
 [ "$(id -u)" = 0 ] || fail "run as root (podman's networks and published ports here are rootful)"
 need=""
-for c in podman runc debootstrap podman-compose openssl python3; do command -v "$c" >/dev/null || need=1; done
+for c in podman runc debootstrap podman-compose openssl python3 ss; do command -v "$c" >/dev/null || need=1; done
 if [ -n "$need" ]; then
   say "  installing podman, podman-compose, debootstrap (apt-get; log in $LOGS/apt.log)"
   (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
     podman runc debootstrap conmon netavark aardvark-dns iptables containernetworking-plugins \
-    catatonit podman-compose openssl python3 ca-certificates) >"$LOGS/apt.log" 2>&1 \
+    catatonit podman-compose openssl python3 ca-certificates iproute2) >"$LOGS/apt.log" 2>&1 \
     || fail "apt-get install failed: see $LOGS/apt.log"
 fi
 # Root here cannot raise hard limits (crun's setrlimit fails) and cgroups are hybrid (crun refuses):
@@ -145,10 +146,10 @@ mkdir -p "$LAPTOP_SECRETS"
 # docs/deploy.md's KV secret, in a directory of the check's own (PDD_SECRETS_DIR) to leave compose/ alone
 openssl rand -hex 32 > "$LAPTOP_SECRETS/kv-secret" && chmod 644 "$LAPTOP_SECRETS/kv-secret"
 export PDD_SECRETS_DIR=$LAPTOP_SECRETS PDD_MODEL=tiny PDD_API_PORT=$PORT PDD_WAN_CONTROL_PORT=$((PORT + 1))
-: >"$LOGS/pdd-laptop.log"
+: >"$LOGS/$LAPTOP.log"
 # podman-compose 1.0.3 (Debian 12) ignores profiles: name the services (all but jaeger).
 UP_BEGAN=$SECONDS
-compose pdd-laptop compose/laptop.yaml up -d wan nats-a nats-b gateway prefill relay main
+compose $LAPTOP compose/laptop.yaml up -d wan nats-a nats-b gateway prefill relay main
 out=$(python3 scripts/compose_probe.py healthy "$API/healthz" 240) || fail "${out#FAILED: }"
 ok "up to healthy in $((SECONDS - UP_BEGAN)) s"
 
@@ -161,7 +162,7 @@ run_probe wan-moves "$API" "$WAN"
 ok
 
 step "laptop: MD killed mid-stream"
-run_probe recovery "$API" "podman kill pdd-laptop_main_1"
+run_probe recovery "$API" "podman kill ${LAPTOP}_main_1"
 ok
 
 step "operator mistakes"
@@ -185,8 +186,8 @@ say "  port in use: $(tail -n1 <<<"$out")"
 ok
 
 step "laptop: down"
-compose pdd-laptop compose/laptop.yaml down
-nothing_left pdd-laptop
+compose $LAPTOP compose/laptop.yaml down
+nothing_left $LAPTOP
 ok
 unset PDD_SECRETS_DIR PDD_MODEL PDD_API_PORT PDD_WAN_CONTROL_PORT
 
@@ -250,10 +251,10 @@ dc_env() {  # dc_env a|b: the env file, with that datacenter's secrets directory
 DC_API=http://127.0.0.1:$((PORT + 2))
 step "datacenters: up"
 require_ports_free $((PORT + 2)) $(seq $((PORT + 10)) $((PORT + 16)))
-: >"$LOGS/pdd-dc-a.log"; : >"$LOGS/pdd-dc-b.log"
+: >"$LOGS/$DC_A.log"; : >"$LOGS/$DC_B.log"
 UP_BEGAN=$SECONDS
-( dc_env b && compose pdd-dc-b compose/dc-b.yaml up -d ) || exit 1
-( dc_env a && compose pdd-dc-a compose/dc-a.yaml up -d ) || exit 1
+( dc_env b && compose $DC_B compose/dc-b.yaml up -d ) || exit 1
+( dc_env a && compose $DC_A compose/dc-a.yaml up -d ) || exit 1
 out=$(python3 scripts/compose_probe.py healthy "$DC_API/healthz" 240) || fail "${out#FAILED: }"
 ok "up to healthy in $((SECONDS - UP_BEGAN)) s"
 
@@ -264,16 +265,16 @@ ok
 
 step "datacenters: a second RLD"
 # podman-compose 1.0.3 ignores --scale; the replicas variable does the same (docs/deploy.md, "Scaling")
-( dc_env a && export PDD_RELAY_REPLICAS=2 && compose pdd-dc-a compose/dc-a.yaml up -d relay ) || exit 1
+( dc_env a && export PDD_RELAY_REPLICAS=2 && compose $DC_A compose/dc-a.yaml up -d relay ) || exit 1
 run_probe relays "$DC_API" 2
 ok
 
 step "datacenters: down"
 # podman-compose 1.0.3 downs the containers the file names: with the replicas the stack has
-( dc_env a && export PDD_RELAY_REPLICAS=2 && compose pdd-dc-a compose/dc-a.yaml down ) || exit 1
-( dc_env b && compose pdd-dc-b compose/dc-b.yaml down ) || exit 1
-nothing_left pdd-dc-a
-nothing_left pdd-dc-b
+( dc_env a && export PDD_RELAY_REPLICAS=2 && compose $DC_A compose/dc-a.yaml down ) || exit 1
+( dc_env b && compose $DC_B compose/dc-b.yaml down ) || exit 1
+nothing_left $DC_A
+nothing_left $DC_B
 ok
 
 say "passed in $((SECONDS - CHECK_BEGAN)) s"
