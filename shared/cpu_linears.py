@@ -80,8 +80,8 @@ class CpuLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows >= self.plan.pad_to and (not self.plan.max_rows or rows <= self.plan.max_rows):
-            return self._matmul(x.contiguous())
+        if rows == 0 or (rows >= self.plan.pad_to and (not self.plan.max_rows or rows <= self.plan.max_rows)):
+            return self._matmul(x.contiguous())  # no row (a chunk that samples nothing) or a planned count
         flat = x.reshape(rows, self.in_features)
         parts = [self._padded(flat.narrow(0, start, n)) for start, n in self.plan.calls(rows)]
         return torch.cat(parts).reshape(*x.shape[:-1], self.out_features)

@@ -230,3 +230,19 @@ def test_md_recomputing_rlds_eager_tokens_in_one_pass_gets_rlds_kv_bit_for_bit(k
     assert main.length == relay.length
     assert torch.equal(main.data[:, :, :, :main.length], relay.data[:, :, :, :relay.length])
     assert torch.equal(main_logits, logits)
+
+
+def test_a_catch_up_chunk_that_samples_nothing_extends_a_bfloat16_decoders_kv(tiny_path) -> None:
+    """MD extends its KV by a Catch-Up chunk without sampling: the LM head then gets no row, which
+    the planned linears must pass through (it raised once: a plan with nothing to split)."""
+    runner = ModelRunner(load_model(tiny_path, "bfloat16", "cpu"))
+    prompt, chunk = list(range(500, 540)), list(range(700, 707))
+    whole = runner.new_kv(64)
+    runner.forward(whole, prompt)
+    want = runner.forward(whole, chunk)
+    kv = runner.new_kv(64)
+    runner.forward(kv, prompt)
+    assert runner.forward_packed([PackedRow(kv, chunk[:-1], want_logits=False)]).shape[0] == 0
+    got = runner.forward(kv, chunk[-1:])
+    assert torch.equal(got, want)
+    assert torch.equal(kv.data[:, :, :, :kv.length], whole.data[:, :, :, :whole.length])

@@ -130,3 +130,4 @@ def test_a_padded_and_split_layer_gives_each_row_its_bits_alone() -> None:
                    for a, n in RowPlan(pad_to=2, max_rows=5).calls(11)]
         assert torch.equal(planned(x), torch.cat(rows_of))
         assert planned(x[None]).shape == (1, 11, 8)
+        assert planned(x[:0][None]).shape == (1, 0, 8)  # an LM head over a chunk that samples nothing
