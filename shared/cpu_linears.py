@@ -12,18 +12,19 @@ builds without a bfloat16 reorder (CPUs without AVX-512, e.g. AVX2 only) pack no
 Rows alike. oneDNN picks its kernel by the call's shape, and kernels round differently: a row's
 bits can depend on how many rows share the call. Then a request's tokens would depend on its batch,
 and MD's one-pass recomputation of RLD's eager tokens would not give RLD's KV. What the load-time
-probe found (SmolLM2's shapes, one thread):
-- AVX-512 BF16 or AMX: every count from 1 to 32 rounds a row as a row alone; 33 and more do not.
+probe found (SmolLM2's shapes, one thread; other CPUs emulated with ONEDNN_MAX_CPU_ISA):
+- AMX (and AVX-512 BF16): every count from 1 to 32 rounds a row as a row alone; 33 and more do not.
 - one CPU of that kind: a single row of the MLP down projection (1536 inputs) rounds apart from
   every count from 2 to 128, which agree with each other.
-- AVX-512 without BF16 (`ONEDNN_MAX_CPU_ISA=AVX512_CORE`), and AVX2: counts disagree from 2 to 14
-  rows on, shape by shape.
-So a decoder's layer runs its rows in calls of `pad_to` to `max_rows` rows (a smaller call is
-padded, a larger one split), the largest range the probe found alike for that shape, each row
-against the row alone (`pad_to` 1) or the row padded to two (`pad_to` 2). Where nothing is alike,
-that is one row per call: slower, and exact by construction. P's runner neither pads nor splits: its
-rows are a prompt's, never compared with another tier's, and splitting a 512-row chunk costs two to
-three times the call.
+- AVX-512 without BF16: the one-row kernel rounds some rows apart from any larger call (about one
+  in ten at 576 inputs, one in hundreds at 64), and counts above 3 switch kernels.
+- AVX2 only (F.linear, nothing packed): every count from 1 to 64 alike.
+So a decoder's layers all follow one `RowPlan`: calls of `pad_to` to `max_rows` rows (a smaller call
+is padded, a larger one split), each row getting the bits it gets alone (`pad_to` 1) or padded to
+two (`pad_to` 2), whichever the probe found every layer to agree with. Where nothing agrees, that is
+one row per call: slower, and exact by construction. P's runner neither pads nor splits: its rows
+are a prompt's, never compared with another tier's, and splitting a 512-row chunk costs two to three
+times the call.
 
 float32 models are left alone: transformers' float32 results are the reference there.
 """
@@ -199,8 +200,12 @@ def row_plan(kernels: Sequence[tuple[Matmul, int]]) -> RowPlan:
     padded to two where any layer rounds a row alone apart from the same row among others (the
     kernel for one row differs from the one for many: a CPU property, so decided once for all
     layers), and calls split above the smallest count up to which every layer's counts agree."""
-    pad_to = 2 if any(_rows_alike(k, inputs, pad_to=1) == 1 for k, inputs in kernels) else 1
-    max_rows = min(_rows_alike(k, inputs, pad_to) for k, inputs in kernels)
+    pad_to = 1
+    alike = [_rows_alike(k, inputs, pad_to) for k, inputs in kernels]
+    if 1 in alike:
+        pad_to = 2
+        alike = [_rows_alike(k, inputs, pad_to) for k, inputs in kernels]
+    max_rows = min(alike)
     if max_rows < pad_to:  # a row's bits depend on its neighbours: one row a call
         return RowPlan(pad_to=1, max_rows=1)
     return RowPlan(pad_to=pad_to, max_rows=max_rows)
@@ -221,5 +226,5 @@ def _rows_alike(matmul: Matmul, in_features: int, pad_to: int) -> int:
     return alike
 
 
-def _probe_input(rows: int, in_features: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    return torch.randn(rows, in_features, generator=torch.Generator().manual_seed(seed)).to(dtype)
+def _probe_input(rows: int, in_features: int, seed: int) -> torch.Tensor:
+    return torch.randn(rows, in_features, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)

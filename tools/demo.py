@@ -14,13 +14,13 @@ from typing import Any, TextIO
 
 import aiohttp
 
-from shared.names import AUTO, Pipeline
+from shared.names import AUTO, Pipeline, choices
 from tools.api_client import sse_events
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 DEFAULT_MD_KV_DELAY_MS = 400.0
 DEFAULT_PIPELINE = str(Pipeline.P_RLD_MD)  # the demo shows a handoff unless asked otherwise
-PIPELINES = (*(str(p) for p in Pipeline.requestable()), AUTO)  # AUTO: the request names none
+PIPELINES = choices(Pipeline.requestable(), AUTO)  # AUTO: the request names none
 TIER_LABELS = {"prefill": "P", "relay": "RLD", "main": "MD"}
 TIER_COLOURS = {"prefill": "\x1b[32m", "relay": "\x1b[33m", "main": "\x1b[36m"}
 MARKER_COLOUR = "\x1b[1;35m"
