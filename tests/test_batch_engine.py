@@ -13,9 +13,10 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from shared.batch_engine import BatchEngine, KVBudgetExceeded, KVPreempted, NotAdmitted
+from shared.batch_engine import BatchEngine, KVPreempted, NotAdmitted
 from shared.config import EngineConfig
 from shared.engine_timeline import read_timeline
+from shared.kv_budget import KVBudgetExceeded
 from shared.model_runner import DecodeSequence, ModelRunner, PackedRow
 from shared.models import load_model
 from shared.sampling import SamplingParams, sample_token, sample_tokens
@@ -489,7 +490,7 @@ async def test_smollm2_batched_decoding_matches_generate():
 
 def test_decoder_heartbeat_reports_the_kv_budget_and_its_use(tiny_path):
     from services.decoder.service import DecoderService
-    from services.main.service import MainRole
+    from services.main.role import MainRole
     from shared.config import MainConfig
 
     config = MainConfig.from_argv(["--model", str(tiny_path), "--kv-budget-tokens", "1234",

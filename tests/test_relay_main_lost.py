@@ -1,4 +1,4 @@
-"""RLD told that MD is lost (services/relay/service.py, `_on_main_lost`): a request RLD still
+"""RLD told that MD is lost (services/relay/role.py, `_on_main_lost`): a request RLD still
 decodes is finished by RLD; one whose cut RLD has sent, whether RLD still holds it (keeping its KV
 for the next turn) or not, is reported back, so the gateway moves it instead of waiting for MD's
 tokens until the deadline. The cut is marked sent before its publish yields: a MainLost that comes
@@ -11,7 +11,7 @@ from opentelemetry import trace
 
 from services.decoder.request import DecodeRequest
 from services.relay.handoff import Decision, HandoffPlan, Step
-from services.relay.service import RelayRole
+from services.relay.role import RelayRole
 from shared import messages, subjects
 from shared.config import HandoffConfig
 from shared.errors import RequestAborted

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from services.decoder.service import DecoderService
-from services.main.service import MainRole
+from services.main.role import MainRole
 from shared.config import MainConfig
 from shared.names import Role
 from shared.service_runtime import serve

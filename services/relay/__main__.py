@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from services.decoder.service import DecoderService
-from services.relay.service import RelayRole
+from services.relay.role import RelayRole
 from shared.config import RelayConfig
 from shared.names import Role
 from shared.service_runtime import serve

@@ -21,7 +21,7 @@ from services.main.takeover import Adoption, Move, Pass, Takeover
 from shared import messages, subjects
 from shared.config import CacheConfig
 from shared.errors import PddError
-from shared.kv_transfer import TransferState
+from shared.kv_transfer_state import TransferState
 from shared.messages import Abort, CutComing, Handoff, HandoffStats, KVReady
 from shared.metrics import MainMetrics
 from shared.names import AbortReason, Pipeline, Role
