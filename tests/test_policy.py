@@ -211,10 +211,10 @@ def test_an_instance_whose_ping_finds_nobody_is_gone_until_it_beats_again() -> N
 
 
 def test_the_prefill_model_separates_a_fixed_cost_from_a_per_token_cost() -> None:
-    from services.gateway.routing.telemetry import Telemetry, fit_prefill
+    from services.gateway.routing.cost_model import CostModel, fit_prefill
 
     assert fit_prefill([(100, 0.2), (100, 0.21)]) is None, "one size says nothing of the slope"
-    telemetry = Telemetry()
+    telemetry = CostModel()
     for n in (20, 50, 100, 400, 800):
         telemetry.observe_prefill(n, 0.1 + n / 1000)
     model = telemetry.prefill
@@ -255,9 +255,9 @@ def test_the_network_path_through_p_is_the_larger_ping_wherever_the_gateway_sits
 
 
 def test_each_tier_step_is_the_median_gap_between_its_tokens() -> None:
-    from services.gateway.routing.telemetry import Telemetry
+    from services.gateway.routing.cost_model import CostModel
 
-    telemetry = Telemetry()
+    telemetry = CostModel()
     assert telemetry.step_s("relay") is None
     for at in (0.0, 0.1, 0.2, 0.3, 1.3, 1.4):  # one 1 s stall (a handoff) among 0.1 s gaps
         telemetry.observe_tokens("r1", "relay", 1, at)

@@ -206,8 +206,8 @@ async def test_a_migration_continues_after_the_streamed_tokens_on_other_instance
     moved, offset, avoid = dispatch.started[1]
     assert moved.prompt_ids == [*PROMPT, 100, 101, 102] and moved.sampling.max_tokens == 17
     assert offset == 3 and avoid == {"md-0"} and moved.request_id != first_id
-    assert run.recovery == "migrate" and run.migrations[0]["after_tokens"] == 3
-    assert run.migrations[0]["lost"] == "main" and run.instances["main"] == "md-1"
+    assert run.recovery == "migrate" and run.migrations[0].after_tokens == 3
+    assert run.migrations[0].lost == "main" and run.instances["main"] == "md-1"
     # the new attempt's indices are its own: its token 0 is the request's token 3
     assert await feed(run, chunk(run, 0, [103], Role.MAIN)) == [(3, 103, "main")]
 
@@ -297,7 +297,7 @@ async def test_a_preempted_request_restarts_on_the_same_decoder_under_any_policy
     await feed(run, chunk(run, 0, [100, 101], Role.MAIN), failed(run, Role.MAIN, KVPreempted.code))
     await feed(run, failed(run, Role.MAIN, KVPreempted.code))
     assert [avoid for _, _, avoid in dispatch.started[1:]] == [set(), set()]
-    assert [m["preempted"] for m in run.migrations] == [True, True] and run.phase is RunPhase.RUNNING
+    assert [m.preempted for m in run.migrations] == [True, True] and run.phase is RunPhase.RUNNING
     moved, offset, _ = dispatch.started[2]
     assert moved.prompt_ids == [*PROMPT, 100, 101] and offset == 2
     with pytest.raises(PeerGone):  # a real failure still meets the policy
@@ -369,7 +369,7 @@ async def test_the_next_token_deadline_runs_between_tokens():
 
 async def test_illegal_attempt_moves_fail_loudly():
     run, _ = await start_run(FakeDispatch())
-    await run.close("done")
+    await run.close("cancelled")
     with pytest.raises(RuntimeError, match="stopped -> cut"):
         run.attempt.move(AttemptPhase.CUT)
 

@@ -78,7 +78,7 @@ class GatewayService:
         self.dispatcher = Dispatcher(self.nc, self.registry, self.config, self.cache_index, metrics=self.metrics)
         await self.dispatcher.listen()
         self.liveness = asyncio.create_task(
-            ping_instances(self.nc, self.registry, self.dispatcher.telemetry.observe_round_trip), name="liveness")
+            ping_instances(self.nc, self.registry, self.dispatcher.costs.observe_round_trip), name="liveness")
         self.handlers = handlers = OpenAIHandlers(self.dispatcher, self.tokenizer, self.served_model, self.config,
                                   self.max_context_tokens, self.admission, RequestTelemetry(self.metrics))
         app = web.Application(middlewares=[error_middleware, tracing_middleware(self.metrics),

@@ -19,6 +19,7 @@ from nats.aio.msg import Msg
 
 from services.gateway.routing.answer_warming import AnswerWarmer
 from services.gateway.routing.cache_index import CacheIndex
+from services.gateway.routing.cost_model import CostModel
 from services.gateway.routing.policy import (
     NO_RELAY_S,
     Estimate,
@@ -29,8 +30,9 @@ from services.gateway.routing.policy import (
     path_round_trip_s,
 )
 from services.gateway.routing.registry import Instance, InstanceRegistry, NoLiveInstance
-from services.gateway.routing.telemetry import Telemetry
 from services.gateway.run.attempt import Attempt, GenerationRequest
+from services.gateway.run.outcome import CloseReason, LossKind
+from services.gateway.run.recovery import Action
 from services.gateway.run.request_run import RequestRun, new_request_id
 from shared import bus, messages, subjects, tracing
 from shared.config import GatewayConfig
@@ -68,7 +70,7 @@ class Dispatcher:
         self.registry = registry
         self.config = config
         self.cache_index = cache_index
-        self.telemetry = Telemetry()
+        self.costs = CostModel()
         self.policy = PolicyConfig(config.ttft_slo_s * config.relay_min_gain_fraction, config.wan_mbps_guess * 1e6 / 8,
                                    config.prefill_tokens_per_s_guess)
         self.tracer = tracing.tracer("pdd.gateway")
@@ -99,7 +101,7 @@ class Dispatcher:
             event = None  # the run logs it
         if isinstance(event, TokenChunk):  # each tier's decode step, for the policy's predictions
             now = time.monotonic()
-            self.telemetry.observe_tokens(request_id, event.tier, len(event.token_ids), now)
+            self.costs.observe_tokens(request_id, event.tier, len(event.token_ids), now)
             if event.tier == Role.MAIN:
                 self._main_started.add(request_id)
             elif request_id in self._watches:
@@ -112,7 +114,7 @@ class Dispatcher:
         elif isinstance(event, KVReceived) and event.link_bytes_per_s and event.tier == Role.MAIN:
             instances = entry[0].instances
             if Role.PREFILL in instances and Role.MAIN in instances:
-                self.telemetry.observe_link(instances[Role.PREFILL], instances[Role.MAIN], event.link_bytes_per_s)
+                self.costs.observe_link(instances[Role.PREFILL], instances[Role.MAIN], event.link_bytes_per_s)
         await entry[1](msg)
 
     async def _warm_prefill(self, attempt: Attempt, answer: list[int]) -> None:
@@ -219,14 +221,14 @@ class Dispatcher:
     def _queue_s(self, instance: Instance, tier: Role) -> float:
         """A decoder's wait before a new request's first token: what waits in its engine for room,
         then one step (running requests share a batched step; they do not queue)."""
-        step = self.telemetry.step_s(tier) or self.config.decode_step_s_guess
+        step = self.costs.step_s(tier) or self.config.decode_step_s_guess
         return (instance.heartbeat.waiting + 1) * step
 
     def _decide(self, req: GenerationRequest, prefill: Instance, prefill_hit: int, main: Instance, main_hit: int,
                 relay: Instance | None) -> PipelineDecision:
         md = main.heartbeat
-        prefill_model = self.telemetry.prefill
-        round_trips = self.telemetry.round_trip_s
+        prefill_model = self.costs.prefill
+        round_trips = self.costs.round_trip_s
         prefill_ping = round_trips.get(prefill.heartbeat.instance_id, 0.0)
         estimate = Estimate(
             link_bytes_per_s=self._link_bytes_per_s(prefill.heartbeat, md),
@@ -237,7 +239,7 @@ class Dispatcher:
             round_trip_s=path_round_trip_s(prefill_ping, round_trips.get(md.instance_id, 0.0)),
             relay_round_trip_s=(path_round_trip_s(prefill_ping, round_trips.get(relay.heartbeat.instance_id, 0.0))
                                 if relay is not None else 0.0),
-            relay_step_s=self.telemetry.step_s(Role.RELAY) or self.config.decode_step_s_guess,
+            relay_step_s=self.costs.step_s(Role.RELAY) or self.config.decode_step_s_guess,
             prefill_chunk_tokens=int(prefill.heartbeat.stats.get("chunk_tokens", 0)) or Estimate.prefill_chunk_tokens)
         kv_bytes_per_token = int(prefill.heartbeat.stats.get("kv_bytes_per_token", 0))
         decision = choose_pipeline(self.policy, len(req.prompt_ids), req.sampling.max_tokens, main_hit,
@@ -259,7 +261,7 @@ class Dispatcher:
     def _link_bytes_per_s(self, prefill: Heartbeat, main: Heartbeat) -> float | None:
         """P to MD: the rate MD saw KV arrive at; before any, the rate P saw its writes complete at
         (which buffers along the way inflate)."""
-        return (self.telemetry.link_bytes_per_s.get((prefill.instance_id, main.instance_id))
+        return (self.costs.link_bytes_per_s.get((prefill.instance_id, main.instance_id))
                 or prefill.link_bytes_per_s.get(f"{main.kv_host}:{main.kv_port}"))
 
     def _plan(self, req: GenerationRequest, avoid: set[str]) -> tuple[PipelineDecision, dict[Role, Instance]]:
@@ -339,7 +341,7 @@ class Dispatcher:
                 span.set_attributes({"pdd.prefill_cached_tokens": attempt.cached_tokens,
                                      "pdd.main_cached_tokens": attempt.main_cached_tokens})
         except BaseException:
-            await self.stop_attempt(attempt, "dispatch failed")  # whoever accepted drops it
+            await self.stop_attempt(attempt, CloseReason.DISPATCH_FAILED)  # whoever accepted drops it
             raise
         return attempt
 
@@ -359,29 +361,29 @@ class Dispatcher:
                     req.request_id, req.prompt_ids, [], self.config.request_timeout_s,
                     prompt_logprobs=req.prompt_logprobs), PrefillAccepted, tracing.inject())
         except BaseException:
-            await self.stop_attempt(attempt, "dispatch failed")
+            await self.stop_attempt(attempt, CloseReason.DISPATCH_FAILED)
             raise
         return attempt
 
-    async def stop_attempt(self, attempt: Attempt, reason: str) -> None:
+    async def stop_attempt(self, attempt: Attempt, reason: CloseReason) -> None:
         """Idempotent per attempt: stop listening, free its instances, tell every tier to drop it."""
         if self.active.get(attempt.request_id, (None,))[0] is not attempt:
             return
         del self.active[attempt.request_id]
-        self.telemetry.forget(attempt.request_id)
+        self.costs.forget(attempt.request_id)
         self._warmer.forget(attempt.request_id)
         self._watches.pop(attempt.request_id, None)
         main_started = attempt.request_id in self._main_started
         self._main_started.discard(attempt.request_id)
-        backfill_bytes_per_s = 0.0
-        if reason == AbortReason.FINISHED and Role.MAIN in attempt.instances and not main_started:
-            reason = AbortReason.FINISHED_ON_RELAY  # P counts what its MD path sent for nothing
+        backfill_bytes_per_s, abort_reason = 0.0, str(reason)
+        if reason is CloseReason.FINISHED and Role.MAIN in attempt.instances and not main_started:
+            abort_reason = AbortReason.FINISHED_ON_RELAY  # P counts what its MD path sent for nothing
             self.metrics.finished_on_relay.inc()
             backfill_bytes_per_s = self._backfill_bytes_per_s(attempt)
         for instance_id in attempt.instances.values():
             self.registry.done(instance_id)
         try:
-            await bus.publish(self.nc, subjects.abort(), Abort(attempt.request_id, reason, backfill_bytes_per_s))
+            await bus.publish(self.nc, subjects.abort(), Abort(attempt.request_id, abort_reason, backfill_bytes_per_s))
         except Exception as exc:  # the tiers' own deadlines still free the attempt
             log.warning("%s: abort not broadcast: %s", attempt.request_id, exc)
 
@@ -410,12 +412,12 @@ class Dispatcher:
             await bus.publish(self.nc, subjects.abort(), Abort(request_id, "orphaned"))
 
     def _observe_prefill(self, done: PrefillDone) -> None:
-        self.telemetry.observe_prefill(done.computed_tokens, done.prefill_s)
+        self.costs.observe_prefill(done.computed_tokens, done.prefill_s)
 
-    def _count_recovery(self, action: str) -> None:
+    def _count_recovery(self, action: Action) -> None:
         self.metrics.recoveries.labels(action).inc()
 
-    def _count_loss(self, tier: Role, cause: str) -> None:
+    def _count_loss(self, tier: Role, cause: LossKind) -> None:
         self.metrics.tier_losses.labels(tier, cause).inc()
 
     def _record_policy(self, req: GenerationRequest, chosen: dict[Role, Instance], decision: PipelineDecision,
@@ -435,11 +437,11 @@ class Dispatcher:
             **({"pdd.main_load": main.load, "pdd.instance.main": main.heartbeat.instance_id} if main else {}),
             **({"pdd.link_bytes_per_s": link} if link is not None else {}),
             **{f"pdd.{tier}_step_s": step for tier in (Role.RELAY, Role.MAIN)
-               if (step := self.telemetry.step_s(tier)) is not None},
-            **({"pdd.prefill_tokens_per_s": self.telemetry.prefill.tokens_per_s,
-                "pdd.prefill_fixed_s": self.telemetry.prefill.fixed_s} if self.telemetry.prefill else {}),
-            **({"pdd.main_round_trip_s": self.telemetry.round_trip_s[main.heartbeat.instance_id]}
-               if main is not None and main.heartbeat.instance_id in self.telemetry.round_trip_s else {})})
+               if (step := self.costs.step_s(tier)) is not None},
+            **({"pdd.prefill_tokens_per_s": self.costs.prefill.tokens_per_s,
+                "pdd.prefill_fixed_s": self.costs.prefill.fixed_s} if self.costs.prefill else {}),
+            **({"pdd.main_round_trip_s": self.costs.round_trip_s[main.heartbeat.instance_id]}
+               if main is not None and main.heartbeat.instance_id in self.costs.round_trip_s else {})})
 
     async def _call(self, role: Role, instance: Instance, msg: PrefillRequest | DecodeAssign,
                     reply_type: type[Accepted], headers: dict[str, str]) -> Accepted:

@@ -5,7 +5,7 @@ A killed process's NATS connection closes at once, and with it its subscriptions
 it gets NATS's "no responders" within a round trip: the instance is marked gone in the registry,
 and every request on it recovers at its next watchdog check. A ping that times out proves
 nothing (a slow or cut link); the heartbeats still decide those. An answered ping's round trip
-feeds the policy's estimate of when MD can start (services/gateway/routing/telemetry.py).
+feeds the policy's estimate of when MD can start (services/gateway/routing/cost_model.py).
 """
 from __future__ import annotations
 

@@ -26,7 +26,9 @@ from services.gateway.run.attempt import AttemptPhase
 from shared.names import FailurePolicy, Pipeline, Role
 
 
-class Action(enum.Enum):
+class Action(enum.StrEnum):
+    """What to do about a lost tier; the response's `pdd.recovery` names the one taken."""
+
     FAIL = "fail"
     FINISH_ON_RELAY = "finish_on_relay"
     MAIN_TAKES_OVER = "main_takes_over"

@@ -37,6 +37,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from services.gateway.run.attempt import Attempt, AttemptPhase, GenerationRequest
+from services.gateway.run.outcome import CloseReason, LossKind, Migration
 from services.gateway.run.recovery import Action, RunState, on_tier_lost
 from shared import bus, messages, subjects, tracing
 from shared.config import GatewayConfig
@@ -112,10 +113,11 @@ class RequestRun:
     """One request in flight: its current attempt, merge state and outcome."""
 
     def __init__(self, nc: NATS, req: GenerationRequest, config: GatewayConfig, start_attempt: StartAttempt,
-                 stop_attempt: Callable[[Attempt, str], Awaitable[None]], is_alive: Callable[[str], bool] | None = None,
+                 stop_attempt: Callable[[Attempt, CloseReason], Awaitable[None]],
+                 is_alive: Callable[[str], bool] | None = None,
                  on_prefill: Callable[[PrefillDone], None] | None = None,
-                 on_recovery: Callable[[str], None] | None = None,
-                 on_lost: Callable[[Role, str], None] | None = None,
+                 on_recovery: Callable[[Action], None] | None = None,
+                 on_lost: Callable[[Role, LossKind], None] | None = None,
                  on_gone: Callable[[str], None] | None = None) -> None:
         self.nc = nc
         self.request = req
@@ -127,17 +129,17 @@ class RequestRun:
         self._is_alive = is_alive
         self._on_prefill = on_prefill
         self._on_recovery = on_recovery
-        self._on_lost = on_lost  # (tier, "gone" or "failed")
+        self._on_lost = on_lost
         self._on_gone = on_gone  # told the id of an instance that said it is stopping (the registry drops it)
         self.phase = RunPhase.RUNNING
         self.first: Attempt | None = None
         self.attempt: Attempt | None = None
-        self.migrations: list[dict] = []  # one entry per migration, for the response's summary
+        self.migrations: list[Migration] = []
         self.failed_on: set[str] = set()  # instances an attempt failed on: later ones prefer others
         self.token_ids: list[int] = []  # what the client has, in order
         self.finish_reason: str | None = None  # the merged one (the HTTP layer may stop earlier, at a stop string)
         self.cut_index: int | None = None  # output index of MD's first token after it took over from RLD
-        self.recovery: str | None = None
+        self.recovery: Action | None = None  # the last recovery taken
         self.handoff: HandoffStats | None = None
         self.prefill: PrefillDone | None = None
         self.kv_received: dict[str, KVReceived] = {}
@@ -369,10 +371,10 @@ class RequestRun:
             return
         attempt.lost.add(role)
         preempted = code == KVPreempted.code and not gone
-        how = "gone" if gone else "preempted" if preempted else "failed"
+        how = LossKind.GONE if gone else LossKind.PREEMPTED if preempted else LossKind.FAILED
         if self._on_lost is not None:
             self._on_lost(role, how)
-        failure_migrations = sum(1 for m in self.migrations if not m["preempted"])
+        failure_migrations = sum(1 for m in self.migrations if not m.preempted)
         state = RunState(attempt.pipeline, attempt.phase, frozenset(attempt.lost - {role}),
                          len(self.token_ids) - attempt.output_offset, attempt.prefill is not None,
                          self.config.max_migrations - failure_migrations, self.failure_policy)
@@ -382,9 +384,9 @@ class RequestRun:
             return
         if action is Action.FAIL:
             raise self._failed(_FAILED_BY_CODE.get(code, PddError)(message))
-        self.recovery = action.value
+        self.recovery = action
         if self._on_recovery is not None:
-            self._on_recovery(action.value)
+            self._on_recovery(action)
         if action is Action.FINISH_ON_RELAY:
             await bus.publish(self.nc, subjects.main_lost(attempt.instances[Role.RELAY]),
                               MainLost(attempt.request_id, message))
@@ -403,7 +405,7 @@ class RequestRun:
     async def _migrate(self, tier: Role, reason: str, preempted: bool = False) -> None:
         """Let the attempt go and dispatch the request again, continuing after the tokens streamed."""
         streamed = list(self.token_ids)
-        await self._let_go(self.current_attempt, "migrated")
+        await self._let_go(self.current_attempt, CloseReason.MIGRATED)
         self._pending.clear()
         req = self.request
         moved = dataclasses.replace(
@@ -415,24 +417,23 @@ class RequestRun:
             self.attempt = await self._start_attempt(moved, len(streamed), set(self.failed_on), self._on_event)
         except PddError as exc:
             raise self._failed(PeerGone(f"{reason}; could not move the request to another instance: {exc}")) from exc
-        self.migrations.append({"after_tokens": len(streamed), "lost": str(tier), "preempted": preempted,
-                                "pipeline": self.attempt.pipeline, "instances": self.instances,
-                                "attempt_id": moved.request_id})
+        self.migrations.append(Migration(len(streamed), tier, preempted, self.attempt.pipeline, self.instances,
+                                         moved.request_id))
         log.warning("%s: migrated after %d tokens to %s", self.request_id, len(streamed), self.instances)
 
-    async def _let_go(self, attempt: Attempt, reason: str) -> None:
+    async def _let_go(self, attempt: Attempt, reason: CloseReason) -> None:
         if attempt.phase is AttemptPhase.STOPPED:
             return
         attempt.move(AttemptPhase.STOPPED)
         await self._stop_attempt(attempt, reason)
 
-    async def close(self, reason: str) -> None:
-        """Idempotent: end the current attempt."""
+    async def close(self, reason: CloseReason | str) -> None:
+        """Idempotent: end the current attempt (`reason`: the HTTP layer's, one of CloseReason's values)."""
         if self.phase is RunPhase.CLOSED:
             return
         self._move(RunPhase.CLOSED)
         if self.attempt is not None:
-            await self._let_go(self.attempt, "finished" if self.finished else reason)
+            await self._let_go(self.attempt, CloseReason.FINISHED if self.finished else CloseReason(reason))
 
     def summary(self) -> dict:
         """What the client may want to know of how the request was served (the response's `pdd` field)."""
@@ -446,8 +447,8 @@ class RequestRun:
                 "computed_tokens": self.prefill.computed_tokens, "prefill_s": round(self.prefill.prefill_s, 6)},
             "ttft_s": None if self.first_token_at is None else round(self.first_token_at - self.started_at, 6),
             "instances": self.instances,
-            "recovery": self.recovery,
-            "migrations": list(self.migrations),
+            "recovery": None if self.recovery is None else str(self.recovery),
+            "migrations": [migration.as_json() for migration in self.migrations],
             "policy": None if (decision := self.decision) is None else self._policy_summary(decision),
         }
 

@@ -1,4 +1,4 @@
-"""What the gateway has measured about the stack, for the policy's predictions. Plain logic.
+"""The cost model: what the gateway has measured about the stack, for the policy's predictions. Plain logic.
 
 - P's prefill time as a fixed cost plus a per-token cost, fitted by least squares to P's recent
   PrefillDone reports (a rate alone would call a 30-token prefill nearly free, which it is not).
@@ -47,7 +47,7 @@ def fit_prefill(samples: list[tuple[int, float]]) -> PrefillModel | None:
     return PrefillModel(fixed, 1.0 / slope)
 
 
-class Telemetry:
+class CostModel:
     def __init__(self) -> None:
         self._prefills: deque[tuple[int, float]] = deque(maxlen=PREFILL_SAMPLES)
         self.prefill: PrefillModel | None = None
