@@ -6,19 +6,22 @@ mirrors this module; change both together.
 from __future__ import annotations
 
 import dataclasses
+import enum
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import orjson
 
 from shared.errors import ProtocolError
-from shared.names import HandoffMode
+from shared.names import HandoffMode, Pipeline, Role
 from shared.sampling import SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)
 class Heartbeat:
-    role: str
+    role: Role
     instance_id: str
     kv_host: str
     kv_port: int
@@ -35,7 +38,7 @@ class Heartbeat:
 class KVTarget:
     """Where P streams one copy of a prompt's KV, and from which token on."""
 
-    role: str
+    role: Role
     host: str
     port: int
     token_start: int = 0
@@ -48,7 +51,7 @@ class DecodeAssign:
     """Gateway to RLD or MD: expect this request's KV, then decode it."""
 
     request_id: str
-    pipeline: str
+    pipeline: Pipeline
     prompt_ids: list[int]
     sampling: SamplingParams
     relay_instance: str | None
@@ -56,7 +59,7 @@ class DecodeAssign:
     deadline_s: float
     handoff_at: int | None = None  # test knob: RLD hands off after exactly this many tokens
     trace_context: dict[str, str] = field(default_factory=dict)
-    handoff_mode: str | None = None  # "one-shot" | "catch-up" | None: RLD's own policy (--handoff-mode)
+    handoff_mode: HandoffMode | None = None  # None: RLD's own policy (--handoff-mode)
     owner: str = ""  # the gateway that dispatched it: the one that may call it orphaned (Heartbeat.held)
     output_offset: int = 0  # a migrated request: output tokens the client already has (the prompt ends with
     # them); the sampler draws token i as output token output_offset + i, and TokenChunk indices stay local
@@ -145,7 +148,7 @@ class Handoff:
     finished: bool
     start: int = 0
     final: bool = True
-    mode: str = HandoffMode.ONE_SHOT
+    mode: HandoffMode = HandoffMode.ONE_SHOT
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,7 @@ class TokenChunk:
     request_id: str
     start: int
     token_ids: list[int]
-    tier: str
+    tier: Role
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
 
@@ -166,7 +169,7 @@ class KVReceived:
     """Decoder to gateway, once its KV is complete and before its first token (NATS keeps the order)."""
 
     request_id: str
-    tier: str
+    tier: Role
     cached_tokens: int  # prompt tokens the decoder already had (MD's DRC hit)
     kv_tokens: int  # prompt tokens whose KV came over the socket
     kv_bytes: int
@@ -194,7 +197,7 @@ class HandoffStats:
     kv_wait_s: float
     handoff_s: float  # from MD's first KVReady to the cut
     extend_s: float  # the final extend-decode pass, from the cut's arrival: extend_wait_s, then the step
-    mode: str = HandoffMode.ONE_SHOT
+    mode: HandoffMode = HandoffMode.ONE_SHOT
     chunks: int = 1  # handoff messages, the final one included
     extend_wait_s: float = 0.0  # of extend_s: the wait for MD's engine to start the step with the pass
 
@@ -210,10 +213,10 @@ class CacheEvents:
 @dataclass(frozen=True)
 class RequestFailed:
     request_id: str
-    tier: str
+    tier: Role
     code: str
     message: str
-    path: str = ""  # P: the KV path that failed ("relay" or "main")
+    path: Role | None = None  # P: the KV path that failed (relay or main)
 
 
 @dataclass(frozen=True)
@@ -264,6 +267,33 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 }
 
 
+def _enum_fields(cls: type) -> dict[str, type[enum.StrEnum]]:
+    """The fields of `cls` typed with a shared.names enum (alone or `| None`), and that enum."""
+    found: dict[str, type[enum.StrEnum]] = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        for option in typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,):
+            if isinstance(option, type) and issubclass(option, enum.StrEnum):
+                found[name] = option
+    return found
+
+
+_ENUM_FIELDS = {cls: _enum_fields(cls) for cls in (*MESSAGE_TYPES.values(), KVTarget)}
+
+
+def _members(cls: type, d: dict) -> dict:
+    """`d` (a `cls` as read off the wire) with each enum field's string turned into its member."""
+    for name, kind in _ENUM_FIELDS[cls].items():
+        value = d.get(name)
+        if value is None:
+            continue
+        try:
+            d[name] = kind(value)
+        except ValueError:
+            raise ProtocolError(f"{cls.__name__}.{name}: {value!r} is not a {kind.__name__} "
+                                f"(one of {', '.join(kind)})") from None
+    return d
+
+
 def _to_plain(msg: Message) -> dict:
     d = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
     for key, value in d.items():
@@ -276,7 +306,7 @@ def _to_plain(msg: Message) -> dict:
 
 
 def encode(msg: Message) -> bytes:
-    return orjson.dumps(_to_plain(msg))
+    return orjson.dumps(_to_plain(msg), option=orjson.OPT_NON_STR_KEYS)  # keys may be members (PrefillDone's roles)
 
 
 def decode(data: bytes) -> Message:
@@ -287,11 +317,11 @@ def decode(data: bytes) -> Message:
         if "sampling" in d:
             d["sampling"] = SamplingParams.from_dict(d["sampling"])
         if "targets" in d:
-            d["targets"] = [KVTarget(**t) for t in d["targets"]]
+            d["targets"] = [KVTarget(**_members(KVTarget, t)) for t in d["targets"]]
         if d.get("logprobs") is not None:
             d["logprobs"] = [TokenLogprob(float(t["logprob"]), tuple((int(i), float(lp)) for i, lp in t["top"]))
                              for t in d["logprobs"]]
-        return cls(**d)
+        return cls(**_members(cls, d))
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ProtocolError(f"malformed message: {exc}") from exc
 

@@ -191,7 +191,7 @@ class MainRole(CachingRole):
                             await _settled(queued)
                     if catch_up is Pass.REPORT:
                         await self._report_progress(request, io, takeover)
-                span.set_attributes({"pdd.eager_tokens": takeover.adopted, "pdd.handoff_mode": takeover.mode,
+                span.set_attributes({"pdd.eager_tokens": takeover.adopted, "pdd.handoff_mode": takeover.mode or "",
                                      "pdd.chunks": takeover.chunks})
         except BaseException:
             for future in queued:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from shared.errors import ProtocolError
 from shared.messages import Handoff, HandoffStats
+from shared.names import HandoffMode
 
 
 class Move(enum.Enum):
@@ -55,7 +56,7 @@ class Takeover:
     def __init__(self, last_prompt_id: int) -> None:
         self.adopted = 0  # eager tokens MD holds as output
         self.chunks = 0  # handoff messages adopted, the cut's included
-        self.mode = ""  # the last adopted handoff's (one-shot, catch-up, or the gateway's recovery)
+        self.mode: HandoffMode | None = None  # the last adopted handoff's (None: none adopted yet)
         self.ended = False
         self._unfed = [last_prompt_id]  # adopted (or the prompt's last), not yet fed
         self._newest = last_prompt_id  # the newest of those: the cut's pass ends on it
@@ -98,4 +99,5 @@ class Takeover:
 
     def stats(self, request_id: str, kv_wait_s: float, handoff_s: float) -> HandoffStats:
         """The handoff's stats for the gateway; extend_s is filled in after the extend-decode pass."""
-        return HandoffStats(request_id, self.adopted, kv_wait_s, handoff_s, 0.0, self.mode, self.chunks)
+        return HandoffStats(request_id, self.adopted, kv_wait_s, handoff_s, 0.0, self.mode or HandoffMode.ONE_SHOT,
+                            self.chunks)

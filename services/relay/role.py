@@ -150,7 +150,7 @@ class RelayRole(CachingRole):
                     span.set_attribute("pdd.finished_on_relay", True)
                     if assign.main_instance:
                         await io.publish(subjects.handoff(assign.main_instance),
-                                         Handoff(request.request_id, [], finished=True, mode=plan.mode.value))
+                                         Handoff(request.request_id, [], finished=True, mode=plan.mode))
                     break
             span.set_attributes({"pdd.eager_tokens": len(seq.output_ids), "pdd.eager_s": time.monotonic() - t0,
                                  "pdd.handoff_rounds": plan.rounds})
@@ -167,7 +167,7 @@ class RelayRole(CachingRole):
                 io.mark(request, "cut_sent", eager_tokens=decision.end)
             await io.publish(subjects.handoff(request.assign.main_instance), Handoff(
                 request.request_id, request.sequence.output_ids[decision.start:decision.end], finished=False,
-                start=decision.start, final=final, mode=plan.mode.value))
+                start=decision.start, final=final, mode=plan.mode))
 
 
 @dataclass
