@@ -1,6 +1,6 @@
 """Benchmark KV transfer across the emulated WAN, and TTFT of P-MD versus P-RLD-MD.
 
-Default mode: pdd's own KV sender and receiver (`shared.kv_transfer`) in this process, an
+Default mode: pdd's own KV sender and receiver (`shared.kv_sender`, `shared.kv_receiver`) in this process, an
 in-process `WanEmulator` between them on loopback, synthetic KV in SmolLM2's layout (30 layers,
 3 KV heads, head dim 64: 46,080 bytes a token in float32). For each bandwidth, one-way delay and
 number of parallel connections it reports the transfer time (first chunk queued to the last cell
@@ -33,7 +33,9 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from shared.kv_transfer import KVReceiver, KVSender, OutgoingTransfer, TransferState
+from shared.kv_receiver import KVReceiver
+from shared.kv_sender import KVSender, OutgoingTransfer
+from shared.kv_transfer_state import TransferState
 from shared.messages import KVTarget
 from shared.models import KVLayout
 from tools.api_client import stream_completion

@@ -18,7 +18,10 @@ import torch
 from shared import kv_wire
 from shared.config import KVLimits
 from shared.errors import PeerGone
-from shared.kv_transfer import KVReceiver, KVSender, OutgoingTransfer, TransferState, read_message
+from shared.kv_handshake import read_message
+from shared.kv_receiver import KVReceiver
+from shared.kv_sender import KVSender, OutgoingTransfer
+from shared.kv_transfer_state import TransferState
 from shared.messages import KVTarget
 from shared.models import KVLayout, kv_layout
 from shared.names import Role

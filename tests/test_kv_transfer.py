@@ -12,7 +12,9 @@ import torch
 
 from shared import kv_wire
 from shared.errors import DeadlineExceeded, IncompatiblePeer, ProtocolError, RequestAborted
-from shared.kv_transfer import KVReceiver, KVSender, OutgoingTransfer, TransferState
+from shared.kv_receiver import KVReceiver
+from shared.kv_sender import KVSender, OutgoingTransfer
+from shared.kv_transfer_state import TransferState
 from shared.messages import KVTarget
 from shared.models import KVLayout
 from shared.names import Role

@@ -26,7 +26,7 @@ from opentelemetry import trace
 
 from shared import subjects
 from shared.errors import DeadlineExceeded
-from shared.kv_transfer import KVInbox
+from shared.kv_inbox import KVInbox
 from shared.lifecycle import checked_move
 from shared.messages import DecodeAssign, Handoff, KVReady, MainLost
 from shared.model_runner import DecodeSequence

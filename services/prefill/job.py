@@ -23,7 +23,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from services.prefill.prefiller import slice_for_target
-from shared.kv_transfer import OutgoingTransfer
+from shared.kv_sender import OutgoingTransfer
 from shared.lifecycle import checked_move
 from shared.messages import PrefillRequest
 from shared.radix_cache import PrefixHandle

@@ -17,13 +17,14 @@ from nats.errors import Error as NatsError
 from opentelemetry import trace
 
 from services.prefill.job import Phase, PrefillJob
-from services.prefill.prefiller import Prefiller
+from services.prefill.prefiller import ComputedChunk, Prefiller
 from shared import bus, messages, subjects, tracing
 from shared.batch_engine import BatchEngine
 from shared.cache_worker import CacheWorker
 from shared.config import PrefillConfig, read_secret
 from shared.errors import PddError
-from shared.kv_transfer import KVSender, OutgoingTransfer, TransferResult, TransferState
+from shared.kv_sender import KVSender, OutgoingTransfer, TransferResult
+from shared.kv_transfer_state import TransferState
 from shared.kv_wire import DTYPE_NAMES
 from shared.messages import (
     Abort,
@@ -280,69 +281,21 @@ class PrefillService:
             self._ended_main_paths.popitem(last=False)
 
     async def _run(self, job: PrefillJob) -> None:
+        """The job's task: compute the prompt's KV while every path sends it, then report."""
         req = job.request
-        events = subjects.request_events(req.request_id)
         job.transfers = [OutgoingTransfer(self.sender, target, req.request_id, self.config.kv_queue_chunks,
                                           req.deadline_s) for target in req.targets]
-        kv_ids = req.prompt_ids[:-1]
-        hit = job.cached_tokens
         try:
             with self.tracer.start_as_current_span("prefill", context=job.trace_context) as span:
                 span.set_attributes({"pdd.request_id": req.request_id, "pdd.prompt_tokens": len(req.prompt_ids),
-                                     "pdd.cached_tokens": hit, "pdd.targets": [t.role for t in req.targets]})
+                                     "pdd.cached_tokens": job.cached_tokens,
+                                     "pdd.targets": [t.role for t in req.targets]})
                 job.span = span
                 for transfer in job.transfers:
                     self._start_transfer_span(job, transfer)
-                t0 = time.monotonic()
-                job.move(Phase.COMPUTING)
-                computed: list[torch.Tensor] = []
-                if hit:
-                    # the prefix stays locked until the computed rest is kept after it (finally releases it)
-                    # views of the cache's pieces: the engine's copy and the sends read them directly
-                    cache = self._prefix_cache
-                    prefix_kv = await cache.call(cache.tree.pieces, job.prefix)
-                    await self.prefiller.open(req.request_id, len(kv_ids), prefix_kv)
-                    start = 0
-                    for piece in prefix_kv:
-                        await job.queue_kv((start, start + piece.shape[3]), piece)
-                        start += piece.shape[3]
-                else:
-                    await self.prefiller.open(req.request_id, len(kv_ids))
-                async with aclosing(self.prefiller.chunks(req.request_id, req.prompt_ids, hit,
-                                                          req.prompt_logprobs)) as chunks:
-                    async for chunk in chunks:
-                        start, end = chunk.span
-                        tracing.record_span(self.tracer, "prefill.chunk", chunk.ready_ns, time.time_ns(), {
-                            "pdd.token_start": start, "pdd.token_end": end,
-                            "pdd.queue_s": (chunk.started_ns - chunk.ready_ns) / 1e9})
-                        if start == hit:  # the first chunk's wait for the engine is the request's queueing
-                            tracing.record_span(self.tracer, "prefill.queue", chunk.ready_ns, chunk.started_ns,
-                                                {"pdd.engine_queued": self.engine.queued})
-                        if chunk.logprobs is not None:
-                            await bus.publish(self.nc, events, PromptLogprobs(req.request_id, start + 1,
-                                                                              chunk.logprobs))
-                        computed.append(chunk.kv)
-                        await job.queue_kv(chunk.span, chunk.kv)
-                prefill_s = time.monotonic() - t0
-                job.move(Phase.SENDING)
-                self.metrics.prefill_time.observe(prefill_s)
-                self.metrics.computed_tokens.inc(len(kv_ids) - hit)
-                self.prefiller.release(req.request_id)
-                if self.cache is not None and computed:
-                    await self._keep(kv_ids, await self.engine.run(_concat_tokens, computed), hit)
-                results = await asyncio.gather(*(self._finish_transfer(job, t) for t in job.transfers))
-                for result in results:
-                    span.add_event("kv_transfer", {"pdd.role": result.target.role, "pdd.kv_bytes": result.kv_bytes,
-                                                   "pdd.send_s": result.send_s, "pdd.state": result.state.value})
-            failed = [result for result in results if result.state is not TransferState.DONE]
-            job.move(Phase.FAILED if failed else Phase.DONE)
-            await bus.publish(self.nc, events, PrefillDone(
-                req.request_id, self.instance_id, len(kv_ids) - hit, prefill_s,
-                {r.target.role: r.kv_bytes for r in results}, {r.target.role: r.send_s for r in results}))
-            for result in failed:
-                await bus.publish(self.nc, events, RequestFailed(
-                    req.request_id, ROLE, "kv_transfer_failed", result.error or "KV transfer failed",
-                    path=result.target.role))
+                prefill_s, computed = await self._compute(job)
+                results = await self._send(job, computed, span)
+            await self._report(job, prefill_s, results)
         except asyncio.CancelledError:
             for transfer in job.transfers:
                 transfer.abort("cancelled")
@@ -351,26 +304,110 @@ class PrefillService:
             raise
         except Exception as exc:
             log.exception("prefill of %s failed", req.request_id)
-            for transfer in job.transfers:
-                transfer.abort("prefill failed")
-            if job.ended:  # only publishing the outcome failed
-                return
-            job.move(Phase.FAILED)
-            code, message = self.failure.reported(exc.code if isinstance(exc, PddError) else "prefill_failed", str(exc))
-            await bus.publish(self.nc, events, RequestFailed(req.request_id, ROLE, code, message))
+            await self._report_failure(job, exc)
         finally:
-            self.prefiller.release(req.request_id)  # idempotent: frees the prompt's KV once on every path
-            if job.prefix is not None and self.cache is not None:
-                self.cache.post(job.prefix.release)  # after any gather of it still on the worker
-            for transfer in job.transfers:  # those that ended early: aborted, or the prefill failed
-                self._end_transfer_span(job, transfer, transfer.state, transfer.error)
-                if transfer.held:
-                    self.metrics.kv_held_paths.labels("never_sent").inc()
-                if transfer.background_bytes_per_s:
-                    self._count_backfill(transfer)
-            self._remember_main_path(job)
-            self.jobs.pop(req.request_id, None)
-            await asyncio.gather(*(transfer.wait_closed() for transfer in job.transfers))  # pumps end with the job
+            await self._end(job)
+
+    async def _compute(self, job: PrefillJob) -> tuple[float, list[torch.Tensor]]:
+        """Queue the cached prefix on every path, then each chunk as P's engine computes it; returns
+        the compute's seconds and the computed chunks' KV (for P's prefix cache)."""
+        req = job.request
+        t0 = time.monotonic()
+        job.move(Phase.COMPUTING)
+        await self._open_prompt(job)
+        computed: list[torch.Tensor] = []
+        async with aclosing(self.prefiller.chunks(req.request_id, req.prompt_ids, job.cached_tokens,
+                                                  req.prompt_logprobs)) as chunks:
+            async for chunk in chunks:
+                await self._take_chunk(job, chunk)
+                computed.append(chunk.kv)
+        prefill_s = time.monotonic() - t0
+        self.metrics.prefill_time.observe(prefill_s)
+        self.metrics.computed_tokens.inc(job.prompt_kv_tokens - job.cached_tokens)
+        return prefill_s, computed
+
+    async def _open_prompt(self, job: PrefillJob) -> None:
+        """Give the prompt room in P's engine, after the cached prefix (queued on every path first)."""
+        req = job.request
+        if not job.cached_tokens:
+            await self.prefiller.open(req.request_id, job.prompt_kv_tokens)
+            return
+        # the prefix stays locked until the computed rest is kept after it (_end releases it)
+        # views of the cache's pieces: the engine's copy and the sends read them directly
+        cache = self._prefix_cache
+        prefix_kv = await cache.call(cache.tree.pieces, job.prefix)
+        await self.prefiller.open(req.request_id, job.prompt_kv_tokens, prefix_kv)
+        start = 0
+        for piece in prefix_kv:
+            await job.queue_kv((start, start + piece.shape[3]), piece)
+            start += piece.shape[3]
+
+    async def _take_chunk(self, job: PrefillJob, chunk: ComputedChunk) -> None:
+        """One computed chunk: its spans, its prompt logprobs to the gateway, its KV on every path."""
+        start, end = chunk.span
+        tracing.record_span(self.tracer, "prefill.chunk", chunk.ready_ns, time.time_ns(), {
+            "pdd.token_start": start, "pdd.token_end": end,
+            "pdd.queue_s": (chunk.started_ns - chunk.ready_ns) / 1e9})
+        if start == job.cached_tokens:  # the first chunk's wait for the engine is the request's queueing
+            tracing.record_span(self.tracer, "prefill.queue", chunk.ready_ns, chunk.started_ns,
+                                {"pdd.engine_queued": self.engine.queued})
+        if chunk.logprobs is not None:
+            await bus.publish(self.nc, subjects.request_events(job.request_id),
+                              PromptLogprobs(job.request_id, start + 1, chunk.logprobs))
+        await job.queue_kv(chunk.span, chunk.kv)
+
+    async def _send(self, job: PrefillJob, computed: list[torch.Tensor], span: trace.Span) -> list[TransferResult]:
+        """Every chunk is computed: keep it in P's prefix cache while each path writes what it queued."""
+        job.move(Phase.SENDING)
+        self.prefiller.release(job.request_id)
+        if self.cache is not None and computed:
+            await self._keep(job.request.prompt_ids[:-1], await self.engine.run(_concat_tokens, computed),
+                             job.cached_tokens)
+        results = await asyncio.gather(*(self._finish_transfer(job, t) for t in job.transfers))
+        for result in results:
+            span.add_event("kv_transfer", {"pdd.role": result.target.role, "pdd.kv_bytes": result.kv_bytes,
+                                           "pdd.send_s": result.send_s, "pdd.state": result.state.value})
+        return results
+
+    async def _report(self, job: PrefillJob, prefill_s: float, results: list[TransferResult]) -> None:
+        """PrefillDone, then a RequestFailed naming each path that did not deliver."""
+        req = job.request
+        events = subjects.request_events(req.request_id)
+        failed = [result for result in results if result.state is not TransferState.DONE]
+        job.move(Phase.FAILED if failed else Phase.DONE)
+        await bus.publish(self.nc, events, PrefillDone(
+            req.request_id, self.instance_id, job.prompt_kv_tokens - job.cached_tokens, prefill_s,
+            {r.target.role: r.kv_bytes for r in results}, {r.target.role: r.send_s for r in results}))
+        for result in failed:
+            await bus.publish(self.nc, events, RequestFailed(
+                req.request_id, ROLE, "kv_transfer_failed", result.error or "KV transfer failed",
+                path=result.target.role))
+
+    async def _report_failure(self, job: PrefillJob, exc: Exception) -> None:
+        """The prefill itself failed: stop every path and tell the gateway, unless only the report failed."""
+        for transfer in job.transfers:
+            transfer.abort("prefill failed")
+        if job.ended:  # only publishing the outcome failed
+            return
+        job.move(Phase.FAILED)
+        code, message = self.failure.reported(exc.code if isinstance(exc, PddError) else "prefill_failed", str(exc))
+        await bus.publish(self.nc, subjects.request_events(job.request_id),
+                          RequestFailed(job.request_id, ROLE, code, message))
+
+    async def _end(self, job: PrefillJob) -> None:
+        """On every path out of the job: free its KV, unlock its prefix, count its paths, drop it."""
+        self.prefiller.release(job.request_id)  # idempotent: frees the prompt's KV once on every path
+        if job.prefix is not None and self.cache is not None:
+            self.cache.post(job.prefix.release)  # after any gather of it still on the worker
+        for transfer in job.transfers:  # those that ended early: aborted, or the prefill failed
+            self._end_transfer_span(job, transfer, transfer.state, transfer.error)
+            if transfer.held:
+                self.metrics.kv_held_paths.labels("never_sent").inc()
+            if transfer.background_bytes_per_s:
+                self._count_backfill(transfer)
+        self._remember_main_path(job)
+        self.jobs.pop(job.request_id, None)
+        await asyncio.gather(*(transfer.wait_closed() for transfer in job.transfers))  # pumps end with the job
 
     async def _keep(self, token_ids: list[int], kv: torch.Tensor, kv_start: int) -> None:
         """Into P's prefix cache: `kv` is the KV of token_ids[kv_start:], after a prefix the caller

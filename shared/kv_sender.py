@@ -1,0 +1,373 @@
+"""P's sending side of the KV transfer: `KVSender`, the pool of handshaken connections to each
+decoder, and `OutgoingTransfer`, which streams one request's chunks to one decoder through a queue.
+
+While a transfer has nothing to send (its chunks still wait for P's engine) it writes a KEEPALIVE
+every `keepalive_s`, so the receiver's stall deadline measures the link and P's liveness, never P's
+queue; a held path (`KVTarget.held`) writes only KEEPALIVEs, its chunks queued, until P releases it.
+A transfer moved to the background (`OutgoingTransfer.background`: RLD finished the request, MD only
+keeps its KV for the session's next turn) writes small frames at a set pace, and only while no other
+transfer to that decoder is open. P retires a connection before the decoder's idle deadline could
+close it (`KVConnection.reusable`).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from shared import kv_handshake, kv_wire
+from shared.errors import DeadlineExceeded, PddError, PeerGone
+from shared.kv_connection import KVConnection
+from shared.kv_transfer_state import TransferMachine, TransferState
+from shared.messages import KVTarget
+from shared.models import KVLayout
+
+log = logging.getLogger(__name__)
+
+MAX_FRAME_BYTES = kv_wire.FRAME_PAYLOAD_BYTES
+BACKGROUND_FRAME_BYTES = 128 * 1024  # a background frame: what a new transfer may find ahead of it on the link
+KEEPALIVE_MAX_S = 1.0  # an idle transfer speaks at least this often, whatever the stall timeout
+ABORT_FRAME_TIMEOUT_S = 1.0
+
+
+class KVSender:
+    """P's pool of connections to decoders: `connections_per_peer` per address, opened on first use.
+
+    A transfer spreads each chunk's frames over all of a peer's connections, so one slow or
+    lossy TCP stream does not hold the transfer back; the receiver places frames by position.
+    """
+
+    def __init__(self, layout: KVLayout, wire_dtype: torch.dtype, connect_timeout_s: float,
+                 connections_per_peer: int = 1, stall_timeout_s: float = 10.0, secret: bytes | None = None) -> None:
+        self.layout = layout
+        self.secret = secret
+        self.stall_timeout_s = stall_timeout_s
+        self.wire_dtype = wire_dtype
+        self.connect_timeout_s = connect_timeout_s
+        self.connections_per_peer = max(1, connections_per_peer)
+        self.throughput = LinkThroughput()
+        self._pools: dict[tuple[str, int], list[KVConnection]] = {}
+        self._connecting: dict[tuple[str, int], asyncio.Lock] = {}
+        self._abort_frames: set[asyncio.Task] = set()  # each bounded by ABORT_FRAME_TIMEOUT_S; awaited by close()
+        self._foreground: dict[tuple[str, int], set[OutgoingTransfer]] = {}  # open transfers, not background
+        self._quiet: dict[tuple[str, int], asyncio.Event] = {}  # set while a peer has no foreground transfer
+
+    @property
+    def keepalive_s(self) -> float:
+        """How long an idle transfer stays silent: well inside the receiver's stall deadline (P and
+        the decoders take the same --kv-stall-timeout-s), and at most KEEPALIVE_MAX_S."""
+        return min(KEEPALIVE_MAX_S, self.stall_timeout_s / 4)
+
+    async def connections(self, host: str, port: int) -> list[KVConnection]:
+        key = (host, port)
+        lock = self._connecting.setdefault(key, asyncio.Lock())
+        async with lock:
+            pool = []
+            for conn in self._pools.get(key, []):
+                if conn.reusable:
+                    pool.append(conn)
+                else:  # closed by the decoder, or idle long enough that it soon would be
+                    conn.close()
+            missing = self.connections_per_peer - len(pool)
+            if missing > 0:
+                pool += await asyncio.gather(*(self._open(host, port) for _ in range(missing)))
+            self._pools[key] = pool
+            return pool
+
+    async def connection(self, host: str, port: int) -> KVConnection:
+        return (await self.connections(host, port))[0]
+
+    def enter_foreground(self, transfer: OutgoingTransfer) -> None:
+        key = (transfer.target.host, transfer.target.port)
+        self._foreground.setdefault(key, set()).add(transfer)
+        self._quiet.setdefault(key, asyncio.Event()).clear()
+
+    def leave_foreground(self, transfer: OutgoingTransfer) -> None:
+        """Idempotent."""
+        key = (transfer.target.host, transfer.target.port)
+        open_ = self._foreground.get(key)
+        if open_ is None or transfer not in open_:
+            return
+        open_.discard(transfer)
+        if not open_:
+            del self._foreground[key]
+            self._quiet.setdefault(key, asyncio.Event()).set()
+
+    async def wait_quiet(self, host: str, port: int, timeout_s: float) -> bool:
+        """Whether the peer has no foreground transfer open, waiting up to timeout_s for it."""
+        quiet = self._quiet.setdefault((host, port), asyncio.Event())
+        if (host, port) not in self._foreground:
+            quiet.set()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await quiet.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def _open(self, host: str, port: int) -> KVConnection:
+        writer = None
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                reader, writer = await asyncio.open_connection(host, port)
+                idle_s = await kv_handshake.greet_receiver(reader, writer, self.layout, self.wire_dtype, self.secret,
+                                                           f"{host}:{port}")
+        except TimeoutError as exc:
+            raise DeadlineExceeded(f"KV connect to {host}:{port} took over {self.connect_timeout_s}s") from exc
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            raise PeerGone(f"KV connect to {host}:{port} failed: {exc}") from exc
+        except PddError:
+            if writer is not None:
+                writer.close()
+            raise
+        return KVConnection(reader, writer, idle_s)
+
+    def drop(self, host: str, port: int) -> None:
+        for conn in self._pools.pop((host, port), []):
+            conn.close()
+
+    @property
+    def open_connections(self) -> int:
+        return sum(1 for pool in self._pools.values() for conn in pool if not conn.closed)
+
+    def send_abort_frame(self, request_id: str, host: str, port: int) -> None:
+        """Tell a decoder, if its link is healthy, that P gave up on a request; close() awaits it."""
+        task = asyncio.create_task(self._send_abort_frame(request_id, host, port),
+                                   name=f"kv-abort-{request_id}")
+        self._abort_frames.add(task)
+        task.add_done_callback(self._abort_frames.discard)
+
+    async def _send_abort_frame(self, request_id: str, host: str, port: int) -> None:
+        try:
+            async with asyncio.timeout(ABORT_FRAME_TIMEOUT_S):
+                conn = await self.connection(host, port)
+                await conn.write(kv_wire.pack_control_frame(kv_wire.FrameKind.ABORT, request_id, self.layout,
+                                                            self.wire_dtype))
+        except asyncio.CancelledError:
+            raise
+        except (PddError, OSError, TimeoutError) as exc:
+            log.debug("abort frame for %s not sent: %s", request_id, exc)
+
+    async def close(self) -> None:
+        """Let pending ABORT frames out (each within its own timeout), then close every connection."""
+        if self._abort_frames:
+            await asyncio.gather(*self._abort_frames, return_exceptions=True)
+        for pool in self._pools.values():
+            for conn in pool:
+                conn.close()
+        self._pools.clear()
+
+
+class LinkThroughput:
+    """Moving average of achieved KV throughput per decoder address, from finished transfers."""
+
+    MIN_SAMPLE_BYTES = 256 * 1024  # smaller transfers mostly measure socket buffers, not the link
+
+    def __init__(self, alpha: float = 0.3) -> None:
+        self.alpha = alpha
+        self.bytes_per_s: dict[str, float] = {}
+
+    def observe(self, peer: str, kv_bytes: int, seconds: float) -> None:
+        if kv_bytes < self.MIN_SAMPLE_BYTES or seconds <= 0:
+            return
+        sample = kv_bytes / seconds
+        old = self.bytes_per_s.get(peer)
+        self.bytes_per_s[peer] = sample if old is None else old + self.alpha * (sample - old)
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    target: KVTarget
+    state: TransferState
+    kv_bytes: int
+    send_s: float
+    error: str | None
+
+
+_END = object()
+
+
+class OutgoingTransfer(TransferMachine):
+    """Streams one request's KV chunks to one decoder; `put` waits while the queue is full."""
+
+    def __init__(self, sender: KVSender, target: KVTarget, request_id: str, queue_chunks: int,
+                 deadline_s: float) -> None:
+        self.sender = sender
+        self.target = target
+        self.request_id = request_id
+        self.deadline_s = deadline_s
+        self.kv_bytes = 0
+        self.error: str | None = None
+        # 0: unbounded. P holds every chunk of the prompt anyway (for its prefix cache), so the
+        # queue adds no memory; a bound would make the slowest path (the WAN) stall P's compute
+        # and with it the fast path to RLD.
+        # a held path is unbounded too: its queue fills while it waits, and P must not wait with it
+        self._queue: asyncio.Queue = asyncio.Queue(maxsize=0 if target.held else max(0, queue_chunks))
+        self._released = asyncio.Event()  # a held path sends nothing before it is released
+        if not target.held:
+            self._released.set()
+        self.background_bytes_per_s = 0.0  # > 0: in the background, paced at this rate (`background`)
+        self.background_from_bytes = 0  # kv_bytes when it moved there
+        sender.enter_foreground(self)
+        self._started = time.monotonic()
+        self._keepalive_frame = kv_wire.pack_control_frame(kv_wire.FrameKind.KEEPALIVE, request_id, sender.layout,
+                                                           sender.wire_dtype)
+        self._task = asyncio.create_task(self._pump(), name=f"kv-send-{request_id}-{target.role}")
+
+    async def put(self, token_start: int, kv: torch.Tensor) -> None:
+        """kv: [layers, 2, kv_heads, tokens, head_dim] for absolute tokens starting at token_start."""
+        if not self.ended:
+            await self._queue.put((token_start, kv, time.monotonic()))
+
+    @property
+    def held(self) -> bool:
+        return not self._released.is_set()
+
+    def release(self) -> None:
+        """Let a held path send what it queued, and the rest as it comes. Idempotent."""
+        self._released.set()
+
+    def background(self, bytes_per_s: float) -> None:
+        """Send the rest as background traffic: frames of BACKGROUND_FRAME_BYTES at most bytes_per_s,
+        each only while no other transfer to this decoder is open; held, it is released so."""
+        if self.ended or bytes_per_s <= 0:
+            return
+        self.background_bytes_per_s = bytes_per_s
+        self.background_from_bytes = self.kv_bytes
+        self.sender.leave_foreground(self)
+        self._released.set()
+
+    @property
+    def background_bytes(self) -> int:
+        """What it sent since it moved to the background."""
+        return self.kv_bytes - self.background_from_bytes if self.background_bytes_per_s else 0
+
+    async def finish(self) -> TransferResult:
+        """Every chunk is queued: wait until the last one is written (or the transfer ended)."""
+        if not self.ended:
+            await self._queue.put((_END, None, time.monotonic()))
+        await self.wait_closed()
+        return TransferResult(self.target, self.state, self.kv_bytes, time.monotonic() - self._started, self.error)
+
+    def abort(self, reason: str) -> None:
+        """Stop sending; tell the decoder if the connection is healthy. Idempotent."""
+        if self.ended:
+            return
+        self._move(TransferState.ABORTED)
+        self.error = reason
+        self.sender.leave_foreground(self)
+        self._task.cancel()
+        self.sender.send_abort_frame(self.request_id, self.target.host, self.target.port)
+
+    async def wait_closed(self) -> None:
+        """Until the pump has stopped (it ended, or an abort cancelled it)."""
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            if not self._task.cancelled():
+                raise
+
+    async def _pump(self) -> None:
+        host, port = self.target.host, self.target.port
+        try:
+            async with asyncio.timeout(self.deadline_s):
+                conns = await self.sender.connections(host, port)
+                with contextlib.ExitStack() as holding:
+                    for conn in conns:
+                        holding.enter_context(conn.held())
+                    first_byte_at = await self._stream(conns)
+            self._move(TransferState.DONE)
+            if first_byte_at is not None and not self.background_bytes_per_s:  # a paced one is not the link's rate
+                self.sender.throughput.observe(f"{host}:{port}", self.kv_bytes, time.monotonic() - first_byte_at)
+        except asyncio.CancelledError:
+            raise
+        except TimeoutError:
+            self.sender.drop(host, port)  # a stuck link: the next transfer redials
+            self._fail(f"KV send to {self.target.role} not done within {self.deadline_s:.1f}s")
+        except (PddError, OSError) as exc:
+            self.sender.drop(host, port)
+            self._fail(f"KV send to {self.target.role} failed: {exc}")
+        finally:
+            self.sender.leave_foreground(self)
+
+    async def _stream(self, conns: list[KVConnection]) -> float | None:
+        """Every queued chunk, as frames spread over `conns`, until the end mark; returns when the
+        first KV byte left (None: there was none). While the queue is empty, a KEEPALIVE goes down
+        every connection: the decoder then counts none of them idle while this transfer is open."""
+        first_byte_at: float | None = None
+        while True:
+            try:
+                async with asyncio.timeout(self.sender.keepalive_s):
+                    token_start, item, queued_at = await self._queue.get()
+            except TimeoutError:  # P's engine has not made the next chunk yet: say so
+                await asyncio.gather(*(self._write(conn, self._keepalive_frame) for conn in conns))
+                continue
+            if self.target.delay_s > 0:  # each chunk leaves delay_s after P made it, like a long link
+                await asyncio.sleep(max(0.0, queued_at + self.target.delay_s - time.monotonic()))
+            if token_start is _END:
+                return first_byte_at
+            await self._wait_for_release(conns)
+            if self.state is TransferState.WAITING:
+                self._move(TransferState.TRANSFERRING)
+                first_byte_at = time.monotonic()
+            if self.background_bytes_per_s:
+                await self._send_in_background(conns, token_start, item)
+                continue
+            frames = await asyncio.to_thread(self._frames, token_start, item)  # conversion and crc32 off the loop
+            self.kv_bytes += sum(len(header) + len(payload) for header, payload in frames)
+            await asyncio.gather(*(self._write_frames(conn, frames[i::len(conns)]) for i, conn in enumerate(conns)))
+
+    async def _send_in_background(self, conns: list[KVConnection], token_start: int, kv: torch.Tensor) -> None:
+        """A chunk as small frames, one at a time, each once no foreground transfer to the decoder is
+        open, then a pause that keeps the average at background_bytes_per_s: a new transfer finds at
+        most one small frame ahead of it (the link's buffers may hold more than P can see)."""
+        host, port = self.target.host, self.target.port
+        frames = await asyncio.to_thread(self._frames, token_start, kv, BACKGROUND_FRAME_BYTES)
+        for i, frame in enumerate(frames):
+            while not await self.sender.wait_quiet(host, port, self.sender.keepalive_s):
+                await asyncio.gather(*(self._write(conn, self._keepalive_frame) for conn in conns))
+            size = len(frame[0]) + len(frame[1])
+            self.kv_bytes += size
+            await self._write(conns[i % len(conns)], *frame)
+            await asyncio.sleep(size / self.background_bytes_per_s)
+
+    async def _wait_for_release(self, conns: list[KVConnection]) -> None:
+        """While held, a KEEPALIVE every keepalive_s, as while waiting for P's next chunk."""
+        while not self._released.is_set():
+            try:
+                async with asyncio.timeout(self.sender.keepalive_s):
+                    await self._released.wait()
+            except TimeoutError:
+                await asyncio.gather(*(self._write(conn, self._keepalive_frame) for conn in conns))
+
+    def _frames(self, token_start: int, kv: torch.Tensor,
+                frame_bytes: int = MAX_FRAME_BYTES) -> list[tuple[bytes, memoryview]]:
+        """Cut a chunk into frames of at most frame_bytes (or one token's KV), so they spread over
+        connections and a stalled link is noticed within one small frame's time."""
+        tokens = kv.shape[3]
+        token_bytes = max(1, kv[:, :, :, :1].numel() * self.sender.wire_dtype.itemsize)
+        step = max(1, min(tokens, frame_bytes // token_bytes))
+        return [kv_wire.pack_data_frame(self.request_id, 0, token_start + offset,
+                                        kv[:, :, :, offset:offset + step], self.sender.wire_dtype)
+                for offset in range(0, tokens, step)]
+
+    async def _write_frames(self, conn: KVConnection, frames: list[tuple[bytes, memoryview]]) -> None:
+        for frame in frames:
+            await self._write(conn, *frame)
+
+    async def _write(self, conn: KVConnection, *parts: bytes | memoryview) -> None:
+        try:
+            await conn.write(*parts, stall_timeout_s=self.sender.stall_timeout_s)
+        except TimeoutError as exc:
+            raise PeerGone(f"KV link stalled: no byte left for {self.sender.stall_timeout_s:.1f}s") from exc
+
+    def _fail(self, reason: str) -> None:
+        if not self.ended:
+            self.error = reason
+            self._move(TransferState.FAILED)
+        while not self._queue.empty():  # unblock a producer waiting in put()
+            self._queue.get_nowait()
