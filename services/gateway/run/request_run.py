@@ -274,7 +274,7 @@ class RequestRun:
         if isinstance(event, TokenChunk):
             return self._merge(event)
         if isinstance(event, KVReceived):
-            self.kv_received[event.tier] = event
+            self.kv_received[str(event.tier)] = event  # a plain key: the summary goes out through orjson
         elif isinstance(event, HandoffStats):
             self.handoff = self.handoff or event
             self._cut(attempt, attempt.output_offset + event.eager_tokens)
