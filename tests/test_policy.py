@@ -259,13 +259,21 @@ def test_each_tier_step_is_the_median_gap_between_its_tokens() -> None:
 
     telemetry = CostModel()
     assert telemetry.step_s("relay") is None
+    from services.gateway.run.attempt import Attempt, GenerationRequest
+    from shared.sampling import SamplingParams
+
+    def attempt() -> Attempt:  # each attempt keeps when its tiers' last tokens came
+        req = GenerationRequest("req-" + "0" * 32, [1, 2], SamplingParams(max_tokens=8), None, None, 0.0)
+        return Attempt(req, 0, "p-rld-md", None, {})
+
+    first = attempt()
     for at in (0.0, 0.1, 0.2, 0.3, 1.3, 1.4):  # one 1 s stall (a handoff) among 0.1 s gaps
-        telemetry.observe_tokens("r1", "relay", 1, at)
-    telemetry.observe_tokens("r1", "main", 1, 5.0)  # the first MD token is no gap
-    telemetry.observe_tokens("r1", "main", 2, 5.4)  # two tokens in one chunk
+        telemetry.observe_tokens("relay", 1, first.chunk_gap_s("relay", at))
+    telemetry.observe_tokens("main", 1, first.chunk_gap_s("main", 5.0))  # the first MD token is no gap
+    telemetry.observe_tokens("main", 2, first.chunk_gap_s("main", 5.4))  # two tokens in one chunk
     assert abs(telemetry.step_s("relay") - 0.1) < 1e-9 and abs(telemetry.step_s("main") - 0.2) < 1e-9
-    telemetry.forget("r1")
-    telemetry.observe_tokens("r1", "main", 1, 50.0)  # a new attempt under the same id: no gap from the old one
+    # a new attempt: no gap from the old one
+    telemetry.observe_tokens("main", 1, attempt().chunk_gap_s("main", 50.0))
     assert abs(telemetry.step_s("main") - 0.2) < 1e-9
 
 
@@ -325,16 +333,50 @@ def test_prefill_is_routed_to_the_p_whose_cache_holds_the_prompt() -> None:
     assert (prefill.heartbeat.instance_id, hit) == ("p-a", 48), "P's own hit: what it will not compute"
 
 
-def test_p_is_asked_to_cache_a_running_answer_every_step_but_the_last() -> None:
-    from services.gateway.routing.answer_warming import AnswerWarmer
+async def test_p_is_asked_to_cache_a_running_answer_every_step_but_the_last() -> None:
+    """The run tells its host (the dispatcher) each time the client's answer grows; the dispatcher
+    asks P for whole steps of it."""
+    import dataclasses
 
-    warmer = AnswerWarmer(step_tokens=4)
-    assert warmer.on_tokens("r", 0, [1, 2, 3], finished=False) is None
-    assert warmer.on_tokens("r", 4, [5, 6], finished=False) is None, "token 3 is still missing"
-    assert warmer.on_tokens("r", 3, [4], finished=False) == [1, 2, 3, 4]
-    assert warmer.on_tokens("r", 6, [7, 8, 9], finished=False) == [1, 2, 3, 4, 5, 6, 7, 8]
-    assert warmer.on_tokens("r", 9, [10, 11, 12], finished=True) is None, "the next turn computes the rest"
-    assert AnswerWarmer(step_tokens=0).on_tokens("r", 0, [1, 2, 3, 4], finished=False) is None
+    from services.gateway.routing.dispatcher import Dispatcher
+    from services.gateway.routing.registry import InstanceRegistry
+    from services.gateway.run.attempt import Attempt, GenerationRequest
+    from services.gateway.run.request_run import RequestRun
+    from shared.config import CommonConfig, GatewayConfig
+    from shared.messages import TokenChunk
+    from shared.sampling import SamplingParams
+
+    config = GatewayConfig(common=CommonConfig("nats://127.0.0.1:4222", "gw", "INFO", "", 1.0), model="tiny",
+                           host="127.0.0.1", port=0, default_pipeline="auto", request_timeout_s=10.0,
+                           token_timeout_s=5.0, max_body_bytes=1024, default_max_tokens=8, warm_prefill_tokens=4)
+
+    async def on_tokens(step_tokens: int, *chunks: tuple[int, list[int], bool]) -> list[list[int] | None]:
+        dispatcher = Dispatcher(None, InstanceRegistry(stale_after_s=60), dataclasses.replace(
+            config, warm_prefill_tokens=step_tokens), CacheIndex())
+        asked: list[list[int]] = []
+
+        async def warm(attempt: Attempt, answer: list[int]) -> None:
+            asked.append(answer)
+
+        dispatcher._warm_prefill = warm  # type: ignore[method-assign]
+        req = GenerationRequest("req-" + "0" * 32, [1, 2], SamplingParams(max_tokens=20), None, None, 0.0)
+        run = RequestRun(req, config, dispatcher)
+        run.attempt = run.first = Attempt(req, 0, "p-md", None, {})
+        answers: list[list[int] | None] = []
+        for start, ids, finished in chunks:
+            before = len(asked)
+            await run.handle(TokenChunk(req.request_id, start, ids, "main", "length" if finished else None))
+            answers.append(asked[-1] if len(asked) > before else None)
+        return answers
+
+    answers = await on_tokens(4, (0, [1, 2, 3], False), (4, [5, 6], False), (3, [4], False), (6, [7, 8, 9], False),
+                              (9, [10, 11, 12], True))
+    assert answers[0] is None
+    assert answers[1] is None, "token 3 is still missing"
+    assert answers[2] == [1, 2, 3, 4]
+    assert answers[3] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert answers[4] is None, "the next turn computes the rest"
+    assert await on_tokens(0, (0, [1, 2, 3, 4], False)) == [None]
 
 
 def test_catch_up_streams_from_the_first_token_and_cuts_at_mds_first_report() -> None:

@@ -16,7 +16,6 @@ import torch
 from services.gateway.run.attempt import Attempt, GenerationRequest
 from services.gateway.run.request_run import RequestRun, RunPhase
 from services.prefill.prefiller import Prefiller
-from shared import messages
 from shared.batch_engine import BatchEngine
 from shared.config import CommonConfig, EngineConfig, GatewayConfig
 from shared.messages import PrefillDone, PromptLogprobs, TokenChunk
@@ -117,13 +116,13 @@ def entry(i: int) -> TokenLogprob:
 
 
 class Dispatch:
-    """The dispatcher's two calls, recorded: P alone for max_tokens 0, else P-MD."""
+    """The run's host: its two calls recorded (P alone for max_tokens 0, else P-MD), the rest quiet."""
 
     def __init__(self) -> None:
         self.started: list[GenerationRequest] = []
         self.stopped: list[str] = []
 
-    async def start(self, req, output_offset, avoid, on_event) -> Attempt:
+    async def dispatch(self, run, req, output_offset, avoid) -> Attempt:
         self.started.append(req)
         instances = {Role.PREFILL: "p-0"} if req.prefill_only else {Role.PREFILL: "p-0", Role.MAIN: "md-0"}
         return Attempt(req, output_offset, Pipeline.P if req.prefill_only else Pipeline.P_MD, None, instances)
@@ -131,19 +130,37 @@ class Dispatch:
     async def stop(self, attempt: Attempt, reason: str) -> None:
         self.stopped.append(reason)
 
+    def is_alive(self, instance_id: str) -> bool:
+        return True
+
+    def instance_gone(self, instance_id: str) -> None:
+        pass
+
+    async def publish(self, subject: str, message: object) -> None:
+        pass
+
+    async def answer_grew(self, attempt: Attempt, token_ids: list[int]) -> None:
+        pass
+
+    def count_loss(self, tier: Role, how: str) -> None:
+        pass
+
+    def count_recovery(self, action: str) -> None:
+        pass
+
 
 async def run_of(max_tokens: int) -> tuple[RequestRun, Dispatch]:
     dispatch = Dispatch()
     req = GenerationRequest(ECHO_ID, list(PROMPT), SamplingParams(max_tokens=max_tokens), None, None, 0.0,
                             prompt_logprobs=1)
-    run = RequestRun(SimpleNamespace(), req, GATEWAY, dispatch.start, dispatch.stop, is_alive=lambda _: True)
+    run = RequestRun(req, GATEWAY, dispatch)
     await run.start()
     return run, dispatch
 
 
 async def send(run: RequestRun, *events: object) -> None:
     for event in events:
-        await run._on_event(SimpleNamespace(data=messages.encode(event)))
+        run.deliver(event)
 
 
 async def test_a_prompt_only_request_is_served_by_p_alone_and_ends_with_its_report():

@@ -1,16 +1,15 @@
 """The gateway's RequestRun as plain logic: the merge of RLD's and MD's tokens, the cut, recovery and
-migration. Decoded messages are fed in directly; dispatch is a fake that records what it was asked."""
+migration. Decoded messages are fed in directly; its host is a fake that records what it was asked."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 
 from services.gateway.run.attempt import Attempt, AttemptPhase, GenerationRequest
 from services.gateway.run.request_run import RequestRun, RunPhase
-from shared import messages, subjects
+from shared import subjects
 from shared.config import CommonConfig, GatewayConfig
 from shared.errors import DeadlineExceeded, InstanceStopping, KVPreempted, PeerGone, RequestAborted
 from shared.messages import (
@@ -32,28 +31,23 @@ PROMPT = [11, 12, 13, 14]
 REQ_ID = "req-" + "0" * 32  # the KV wire carries request ids as UUIDs
 
 
-class FakeNats:
-    """What the run publishes (MainLost, the takeover Handoff), decoded."""
-
-    max_payload = 1 << 20
-
-    def __init__(self) -> None:
-        self.published: list[tuple[str, object]] = []
-
-    async def publish(self, subject: str, payload: bytes = b"", reply: str = "", headers=None) -> None:
-        self.published.append((subject, messages.decode(payload)))
-
-
 class FakeDispatch:
-    """start_attempt and stop_attempt: attempt n runs on p-n, rld-n and md-n, on `pipelines[n]`."""
+    """The run's host: attempt n runs on p-n, rld-n and md-n, on `pipelines[n]`; what the run
+    publishes (MainLost, the takeover Handoff) and counts is recorded."""
 
-    def __init__(self, *pipelines: Pipeline, unavailable_after: int | None = None) -> None:
+    def __init__(self, *pipelines: Pipeline, unavailable_after: int | None = None, is_alive=None,
+                 on_gone=None, on_lost=None, on_recovery=None) -> None:
         self.pipelines = pipelines or (Pipeline.P_RLD_MD,)
         self.unavailable_after = unavailable_after
         self.started: list[tuple[GenerationRequest, int, set[str]]] = []
         self.stopped: list[tuple[str, str]] = []
+        self.published: list[tuple[str, object]] = []
+        self._is_alive, self._on_gone, self._on_lost, self._on_recovery = is_alive, on_gone, on_lost, on_recovery
 
-    async def start(self, req, output_offset, avoid, on_event) -> Attempt:
+    async def dispatch(self, run, req, output_offset, avoid) -> Attempt:
+        return await self.start(req, output_offset, avoid)
+
+    async def start(self, req, output_offset, avoid) -> Attempt:
         n = len(self.started)
         if self.unavailable_after is not None and n >= self.unavailable_after:
             raise PeerGone("no live main instance")
@@ -67,14 +61,35 @@ class FakeDispatch:
     async def stop(self, attempt: Attempt, reason: str) -> None:
         self.stopped.append((attempt.request_id, reason))
 
+    def is_alive(self, instance_id: str) -> bool:
+        return self._is_alive is None or self._is_alive(instance_id)
+
+    def instance_gone(self, instance_id: str) -> None:
+        if self._on_gone is not None:
+            self._on_gone(instance_id)
+
+    async def publish(self, subject: str, message: object) -> None:
+        self.published.append((subject, message))
+
+    async def answer_grew(self, attempt: Attempt, token_ids: list[int]) -> None:
+        pass
+
+    def count_loss(self, tier: Role, how: str) -> None:
+        if self._on_lost is not None:
+            self._on_lost(tier, how)
+
+    def count_recovery(self, action: str) -> None:
+        if self._on_recovery is not None:
+            self._on_recovery(action)
+
 
 async def start_run(dispatch: FakeDispatch, max_tokens: int = 20, config: GatewayConfig = CONFIG,
-                    is_alive=None) -> tuple[RequestRun, FakeNats]:
-    nc = FakeNats()
+                    is_alive=None) -> tuple[RequestRun, FakeDispatch]:
+    dispatch._is_alive = is_alive or dispatch._is_alive
     req = GenerationRequest(REQ_ID, list(PROMPT), SamplingParams(max_tokens=max_tokens), None, None, 0.0)
-    run = RequestRun(nc, req, config, dispatch.start, dispatch.stop, is_alive=is_alive)
+    run = RequestRun(req, config, dispatch)
     await run.start()
-    return run, nc
+    return run, dispatch
 
 
 def chunk(run: RequestRun, start: int, ids: list[int], tier: Role, finish: str | None = None) -> TokenChunk:
@@ -182,10 +197,9 @@ async def test_relay_lost_before_the_cut_main_takes_over_with_every_streamed_tok
 
 async def test_main_lost_before_the_cut_leaves_relay_alone_and_is_counted_once():
     recoveries = []
-    dispatch = FakeDispatch()
-    nc = FakeNats()
+    dispatch = nc = FakeDispatch(on_recovery=recoveries.append)
     req = GenerationRequest(REQ_ID, list(PROMPT), SamplingParams(max_tokens=20), None, None, 0.0)
-    run = RequestRun(nc, req, CONFIG, dispatch.start, dispatch.stop, on_recovery=recoveries.append)
+    run = RequestRun(req, CONFIG, dispatch)
     await run.start()
     await feed(run, chunk(run, 0, [100], Role.RELAY), failed(run, Role.PREFILL))  # MD's KV may never come
     assert nc.published == [(subjects.main_lost("rld-0"), MainLost(REQ_ID, "prefill: prefill went away"))]
@@ -242,18 +256,18 @@ async def test_an_aborted_code_does_not_blame_the_instance():
 
 async def test_an_instance_that_says_it_is_stopping_is_dropped_before_the_migration_picks_again():
     """Else, answering pings for a moment longer, the only MD would look busy and get the request back."""
-    dispatch = FakeDispatch(Pipeline.P_MD, Pipeline.P_RLD)
     order: list[str] = []
+    dispatch = FakeDispatch(Pipeline.P_MD, Pipeline.P_RLD, on_gone=lambda instance: order.append(instance),
+                            on_lost=lambda tier, how: order.append(f"{tier} {how}"))
     started = dispatch.start
 
     async def start(*args):
         order.append("dispatch")
         return await started(*args)
 
-    nc = FakeNats()
+    dispatch.start = start
     req = GenerationRequest(REQ_ID, list(PROMPT), SamplingParams(max_tokens=20), None, None, 0.0)
-    run = RequestRun(nc, req, CONFIG, start, dispatch.stop, on_gone=lambda instance: order.append(instance),
-                     on_lost=lambda tier, how: order.append(f"{tier} {how}"))
+    run = RequestRun(req, CONFIG, dispatch)
     await run.start()
     await feed(run, failed(run, Role.MAIN, InstanceStopping.code))
     assert order == ["dispatch", "md-0", "main gone", "dispatch"] and len(run.migrations) == 1
@@ -304,7 +318,7 @@ async def test_a_preempted_request_restarts_on_the_same_decoder_under_any_policy
         await feed(run, failed(run, Role.MAIN))
 
 
-# --- the event loop: messages off the wire, the watchdog ---------------------------------------
+# --- the event loop: delivered events, the watchdog ---------------------------------------
 
 
 async def test_the_token_stream_reads_the_wire_and_the_watchdog_migrates_off_a_dead_instance():
@@ -313,7 +327,7 @@ async def test_the_token_stream_reads_the_wire_and_the_watchdog_migrates_off_a_d
     run, _ = await start_run(dispatch, is_alive=lambda instance_id: instance_id not in dead)
 
     async def wire(event: object) -> None:
-        await run._on_event(SimpleNamespace(data=messages.encode(event)))
+        run.deliver(event)
 
     first_id = run.attempt.request_id
     await wire(chunk(run, 0, [100, 101], Role.MAIN))
@@ -343,8 +357,7 @@ async def test_waiting_for_prefill_is_not_a_stall_but_silence_after_it_is():
     next_token = asyncio.create_task(anext(stream))
     await asyncio.sleep(1.0)  # over three next-token deadlines, all in P's queue
     assert not next_token.done() and run.waiting_for_prefill
-    await run._on_event(SimpleNamespace(data=messages.encode(
-        PrefillDone(run.attempt.request_id, "p-0", len(PROMPT) - 1, 0.9, {"main": 100}, {"main": 0.01}))))
+    run.deliver(PrefillDone(run.attempt.request_id, "p-0", len(PROMPT) - 1, 0.9, {"main": 100}, {"main": 0.01}))
     async with asyncio.timeout(3):
         await asyncio.sleep(0.05)
         assert not run.waiting_for_prefill
@@ -355,7 +368,7 @@ async def test_waiting_for_prefill_is_not_a_stall_but_silence_after_it_is():
 async def test_the_next_token_deadline_runs_between_tokens():
     config = dataclasses.replace(CONFIG, token_timeout_s=0.3)
     run, _ = await start_run(FakeDispatch(Pipeline.P_MD), config=config)
-    await run._on_event(SimpleNamespace(data=messages.encode(chunk(run, 0, [100], Role.MAIN))))
+    run.deliver(chunk(run, 0, [100], Role.MAIN))
     stream = run.tokens()
     assert (await anext(stream)).index == 0
     assert not run.waiting_for_prefill  # a token came: P's KV is in somewhere

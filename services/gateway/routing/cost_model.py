@@ -54,7 +54,6 @@ class CostModel:
         self.round_trip_s: dict[str, float] = {}  # instance id -> smoothed ping round trip
         self.link_bytes_per_s: dict[tuple[str, str], float] = {}  # (P, decoder) instance ids -> smoothed rate
         self._steps: dict[str, deque[float]] = {}  # tier -> recent gaps per token
-        self._last_chunk: dict[str, dict[str, float]] = {}  # request id -> tier -> when its last tokens came
 
     def observe_prefill(self, computed_tokens: int, prefill_s: float) -> None:
         if computed_tokens <= 0 or prefill_s <= 0:
@@ -68,17 +67,11 @@ class CostModel:
     def observe_link(self, prefill_id: str, decoder_id: str, bytes_per_s: float) -> None:
         _smooth(self.link_bytes_per_s, (prefill_id, decoder_id), bytes_per_s, LINK_ALPHA)
 
-    def observe_tokens(self, request_id: str, tier: str, tokens: int, at_s: float) -> None:
-        """A chunk of `tokens` tokens of one request from `tier` arrived at `at_s` (monotonic)."""
-        seen = self._last_chunk.setdefault(request_id, {})
-        last = seen.get(tier)
-        seen[tier] = at_s
-        if last is not None and tokens > 0:
-            self._steps.setdefault(tier, deque(maxlen=STEP_SAMPLES)).append((at_s - last) / tokens)
-
-    def forget(self, request_id: str) -> None:
-        """The request ended: its last chunks are no longer the start of a gap."""
-        self._last_chunk.pop(request_id, None)
+    def observe_tokens(self, tier: str, tokens: int, gap_s: float | None) -> None:
+        """A chunk of `tokens` tokens of one attempt from `tier`, `gap_s` after its previous chunk from
+        that tier (None: its first, which is no gap)."""
+        if gap_s is not None and tokens > 0:
+            self._steps.setdefault(tier, deque(maxlen=STEP_SAMPLES)).append(gap_s / tokens)
 
     def step_s(self, tier: str) -> float | None:
         """The median gap between two tokens from `tier`; None before any."""

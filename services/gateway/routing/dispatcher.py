@@ -1,8 +1,12 @@
-"""Dispatches a request: picks its instances and pipeline, assigns the decoders, starts P.
+"""Dispatches a request: picks its instances and pipeline, assigns the decoders, starts P; and
+hosts the request's run while it is in flight.
 
 The decoders are assigned first (so they expect the KV), then P is started. What happens after
-that, the merge of tokens and recovery from lost tiers, is services/gateway/run/request_run.py's;
-it comes back here for each migration, with the instances it must avoid.
+that, the merge of tokens and recovery from lost tiers, is the RequestRun's
+(services/gateway/run/request_run.py), which reaches the gateway through the RunHost this class
+is: it comes back here for each migration, with the instances it must avoid. Each attempt in
+flight has one entry in `active`, made by dispatch and dropped by stop; every event is decoded
+here once, observed for the policy (its state kept on the attempt) and delivered to the run.
 """
 from __future__ import annotations
 
@@ -11,13 +15,12 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from services.gateway.routing.answer_warming import AnswerWarmer
+from services.gateway.routing.answer_warming import warm_due
 from services.gateway.routing.cache_index import CacheIndex
 from services.gateway.routing.cost_model import CostModel
 from services.gateway.routing.policy import (
@@ -45,6 +48,7 @@ from shared.messages import (
     Heartbeat,
     KVReceived,
     KVTarget,
+    Message,
     PrefillAccepted,
     PrefillDone,
     PrefillRequest,
@@ -74,11 +78,8 @@ class Dispatcher:
         self.policy = PolicyConfig(config.ttft_slo_s * config.relay_min_gain_fraction, config.wan_mbps_guess * 1e6 / 8,
                                    config.prefill_tokens_per_s_guess)
         self.tracer = tracing.tracer("pdd.gateway")
-        # the attempts in flight, by request id, and where their events go (see listen, abort_orphans)
-        self.active: dict[str, tuple[Attempt, Callable[[Msg], Awaitable[None]]]] = {}
-        self._watches: dict[str, tuple[RelayWatch, str]] = {}  # request id -> its watch, P's instance id
-        self._main_started: set[str] = set()  # attempts MD has taken over or started (it made a token)
-        self._warmer = AnswerWarmer(config.warm_prefill_tokens)
+        # the attempts in flight, by attempt id, with the run their events go to (see listen, abort_orphans)
+        self.active: dict[str, tuple[Attempt, RequestRun]] = {}
 
     async def listen(self) -> None:
         """Hear every request's events through one subscription, made before any request is dispatched.
@@ -95,27 +96,33 @@ class Dispatcher:
         entry = self.active.get(request_id)
         if entry is None:  # a late event of an attempt let go, or another gateway's request
             return
+        attempt, run = entry
         try:
             event = messages.decode(msg.data)
-        except PddError:
-            event = None  # the run logs it
-        if isinstance(event, TokenChunk):  # each tier's decode step, for the policy's predictions
+        except PddError as exc:
+            log.warning("%s: dropped a malformed event: %s", request_id, exc)
+            return
+        await self._observe(attempt, event)
+        run.deliver(event)
+
+    async def _observe(self, attempt: Attempt, event: Message) -> None:
+        """What the policy learns from an event as it arrives: each tier's decode step, the KV link,
+        P's prefill time; and whether to release MD's held KV."""
+        if isinstance(event, TokenChunk):
             now = time.monotonic()
-            self.costs.observe_tokens(request_id, event.tier, len(event.token_ids), now)
+            self.costs.observe_tokens(event.tier, len(event.token_ids), attempt.chunk_gap_s(event.tier, now))
             if event.tier == Role.MAIN:
-                self._main_started.add(request_id)
-            elif request_id in self._watches:
-                await self._watch_relay(request_id, event.start + len(event.token_ids), now)
-            answer = self._warmer.on_tokens(request_id, event.start, event.token_ids, event.finish_reason is not None)
-            if answer is not None:
-                await self._warm_prefill(entry[0], answer)
+                attempt.main_started = True
+            elif attempt.relay_watch is not None:
+                await self._watch_relay(attempt, attempt.relay_watch, event.start + len(event.token_ids), now)
         elif isinstance(event, HandoffStats):
-            self._main_started.add(request_id)
+            attempt.main_started = True
+        elif isinstance(event, PrefillDone):
+            self.costs.observe_prefill(event.computed_tokens, event.prefill_s)
         elif isinstance(event, KVReceived) and event.link_bytes_per_s and event.tier == Role.MAIN:
-            instances = entry[0].instances
+            instances = attempt.instances
             if Role.PREFILL in instances and Role.MAIN in instances:
                 self.costs.observe_link(instances[Role.PREFILL], instances[Role.MAIN], event.link_bytes_per_s)
-        await entry[1](msg)
 
     async def _warm_prefill(self, attempt: Attempt, answer: list[int]) -> None:
         """Ask P to cache the prompt and the answer so far (a PrefillRequest with no KV path, published:
@@ -130,30 +137,54 @@ class Dispatcher:
         except PddError as exc:  # the next turn computes what is missing
             log.warning("%s: warm-up not sent: %s", attempt.request_id, exc)
 
-    async def _watch_relay(self, request_id: str, relay_tokens: int, now: float) -> None:
+    async def _watch_relay(self, attempt: Attempt, watch: RelayWatch, relay_tokens: int, now: float) -> None:
         """P holds MD's KV back: release it once RLD no longer looks like finishing first."""
-        watch, prefill_instance = self._watches[request_id]
         if not watch.should_release(relay_tokens, now):
             return
-        del self._watches[request_id]
+        attempt.relay_watch = None
+        request_id = attempt.request_id
         self.metrics.main_kv_releases.inc()
         log.info("%s: RLD will not finish first (%d of %d tokens): P sends MD's KV", request_id, relay_tokens,
                  watch.max_tokens)
         try:
-            await bus.publish(self.nc, subjects.release_kv(prefill_instance), ReleaseKV(request_id, "relay too slow"))
+            await bus.publish(self.nc, subjects.release_kv(attempt.instances[Role.PREFILL]),
+                              ReleaseKV(request_id, "relay too slow"))
         except PddError as exc:  # MD keeps waiting; RLD finishes the request
             log.warning("%s: release not sent: %s", request_id, exc)
 
     async def start(self, req: GenerationRequest) -> RequestRun:
-        """Dispatch a new request; its RequestRun comes back here for each migration."""
-        run = RequestRun(self.nc, req, self.config, self.dispatch, self.stop_attempt, is_alive=self.registry.is_alive,
-                         on_prefill=self._observe_prefill, on_recovery=self._count_recovery,
-                         on_lost=self._count_loss, on_gone=self.registry.mark_gone)
+        """Dispatch a new request: the one place its RequestRun is made; it comes back here for each
+        migration, and is let go with its last attempt (stop)."""
+        run = RequestRun(req, self.config, self)
         await run.start()
         return run
 
-    async def dispatch(self, req: GenerationRequest, output_offset: int, avoid: set[str],
-                       on_event: Callable[[Msg], Awaitable[None]]) -> Attempt:
+    # --- the RunHost a run talks through ----------------------------------------------------------
+
+    def is_alive(self, instance_id: str) -> bool:
+        return self.registry.is_alive(instance_id)
+
+    def instance_gone(self, instance_id: str) -> None:
+        self.registry.mark_gone(instance_id)
+
+    async def publish(self, subject: str, message: Message) -> None:
+        await bus.publish(self.nc, subject, message)
+
+    def count_loss(self, tier: Role, how: LossKind) -> None:
+        self.metrics.tier_losses.labels(tier, how).inc()
+
+    def count_recovery(self, action: Action) -> None:
+        self.metrics.recoveries.labels(action).inc()
+
+    async def answer_grew(self, attempt: Attempt, token_ids: list[int]) -> None:
+        """Ask P to cache the answer so far, a whole step of it at a time (routing/answer_warming.py)."""
+        due = warm_due(self.config.warm_prefill_tokens, attempt.warmed_tokens, len(token_ids) - attempt.output_offset)
+        if due:
+            attempt.warmed_tokens = due
+            await self._warm_prefill(attempt, token_ids[attempt.output_offset:attempt.output_offset + due])
+
+    async def dispatch(self, run: RequestRun, req: GenerationRequest, output_offset: int,
+                       avoid: set[str]) -> Attempt:
         """One attempt, preferring instances not in `avoid` (those the request failed on). An
         instance that fails to accept is avoided and the dispatch tried once more: one that
         nobody answers for, or that answers no ping either, is also skipped by other requests for
@@ -164,7 +195,7 @@ class Dispatcher:
         tries, waited = 0, False
         while True:
             try:
-                return await self._dispatch_once(req, output_offset, avoid, on_event)
+                return await self._dispatch_once(run, req, output_offset, avoid)
             except NoLiveInstance as exc:
                 if waited or not await self._wait_for_instance(req, exc.role):
                     raise
@@ -225,7 +256,8 @@ class Dispatcher:
         return (instance.heartbeat.waiting + 1) * step
 
     def _decide(self, req: GenerationRequest, prefill: Instance, prefill_hit: int, main: Instance, main_hit: int,
-                relay: Instance | None) -> PipelineDecision:
+                relay: Instance | None) -> tuple[PipelineDecision, RelayWatch | None]:
+        """The pipeline, and the watch on RLD when P is to hold MD's KV back."""
         md = main.heartbeat
         prefill_model = self.costs.prefill
         round_trips = self.costs.round_trip_s
@@ -253,10 +285,9 @@ class Dispatcher:
             # a request that names its pipeline or its cut asks for MD to take over: RLD would wait for
             # MD at the cut, and a held stream would reach MD only if RLD turned out slow
             decision = dataclasses.replace(decision, hold_main_kv=False)
-        if decision.hold_main_kv:
-            self._watches[req.request_id] = (RelayWatch.of(decision, self.policy, estimate, req.sampling.max_tokens),
-                                             prefill.heartbeat.instance_id)
-        return decision
+        if not decision.hold_main_kv:
+            return decision, None
+        return decision, RelayWatch.of(decision, self.policy, estimate, req.sampling.max_tokens)
 
     def _link_bytes_per_s(self, prefill: Heartbeat, main: Heartbeat) -> float | None:
         """P to MD: the rate MD saw KV arrive at; before any, the rate P saw its writes complete at
@@ -264,20 +295,22 @@ class Dispatcher:
         return (self.costs.link_bytes_per_s.get((prefill.instance_id, main.instance_id))
                 or prefill.link_bytes_per_s.get(f"{main.kv_host}:{main.kv_port}"))
 
-    def _plan(self, req: GenerationRequest, avoid: set[str]) -> tuple[PipelineDecision, dict[Role, Instance]]:
+    def _plan(self, req: GenerationRequest,
+              avoid: set[str]) -> tuple[PipelineDecision, RelayWatch | None, dict[Role, Instance]]:
         """The pipeline and an instance per role in it. With no MD reachable (all dead, or the WAN
         cut), RLD serves alone (P-RLD), counted as its own decision, rather than nobody."""
         prefill, prefill_hit = self._pick_cached(Role.PREFILL, req.prompt_ids, avoid)
         chosen = self._choose_main(req.prompt_ids, avoid)
         if chosen is None:
             decision = PipelineDecision(Pipeline.P_RLD, NO_MAIN_REASON, 0, 0, 0.0, 0.0, 0.0, prefill_hit)
-            return decision, {Role.PREFILL: prefill, Role.RELAY: self._pick_or_release(Role.RELAY, avoid, [prefill])}
+            return decision, None, {Role.PREFILL: prefill,
+                                    Role.RELAY: self._pick_or_release(Role.RELAY, avoid, [prefill])}
         main, main_hit = chosen
         try:  # RLD's start is half of the prediction; none reachable: P-MD, or whatever the request names
             relay: Instance | None = self._pick_cached(Role.RELAY, req.prompt_ids, avoid)[0]  # RLD caches too
         except PeerGone:
             relay = None
-        decision = self._decide(req, prefill, prefill_hit, main, main_hit, relay)
+        decision, watch = self._decide(req, prefill, prefill_hit, main, main_hit, relay)
         instances = {Role.PREFILL: prefill, Role.MAIN: main}
         if decision.pipeline.uses_relay:
             instances[Role.RELAY] = relay or self._pick_or_release(Role.RELAY, avoid, [prefill, main])
@@ -285,7 +318,7 @@ class Dispatcher:
             self.registry.done(relay.heartbeat.instance_id)
         if not decision.pipeline.uses_main:
             self.registry.done(instances.pop(Role.MAIN).heartbeat.instance_id)
-        return decision, instances
+        return decision, watch, instances
 
     def _pick_or_release(self, role: Role, avoid: set[str], picked: list[Instance]) -> Instance:
         try:
@@ -295,12 +328,12 @@ class Dispatcher:
                 self.registry.done(instance.heartbeat.instance_id)
             raise
 
-    async def _dispatch_once(self, req: GenerationRequest, output_offset: int, avoid: set[str],
-                             on_event: Callable[[Msg], Awaitable[None]]) -> Attempt:
+    async def _dispatch_once(self, run: RequestRun, req: GenerationRequest, output_offset: int,
+                             avoid: set[str]) -> Attempt:
         if req.prefill_only:
-            return await self._dispatch_prefill_only(req, avoid, on_event)
+            return await self._dispatch_prefill_only(run, req, avoid)
         policy_started_ns = time.time_ns()
-        decision, chosen = self._plan(req, avoid)
+        decision, watch, chosen = self._plan(req, avoid)
         try:
             req = fit_kv_budget(req, [chosen[role] for role in (Role.MAIN, Role.RELAY) if role in chosen])
         except BadRequest:
@@ -309,9 +342,9 @@ class Dispatcher:
             raise
         pipeline = decision.pipeline
         self._record_policy(req, chosen, decision, policy_started_ns)
-        attempt = Attempt(req, output_offset, pipeline, decision,
-                          {role: instance.heartbeat.instance_id for role, instance in chosen.items()})
-        self.active[req.request_id] = (attempt, on_event)
+        instances = {role: instance.heartbeat.instance_id for role, instance in chosen.items()}
+        attempt = Attempt(req, output_offset, pipeline, decision, instances, relay_watch=watch)
+        self.active[req.request_id] = (attempt, run)
         try:
             with self.tracer.start_as_current_span("gateway.dispatch") as span:
                 span.set_attributes({
@@ -341,17 +374,16 @@ class Dispatcher:
                 span.set_attributes({"pdd.prefill_cached_tokens": attempt.cached_tokens,
                                      "pdd.main_cached_tokens": attempt.main_cached_tokens})
         except BaseException:
-            await self.stop_attempt(attempt, CloseReason.DISPATCH_FAILED)  # whoever accepted drops it
+            await self.stop(attempt, CloseReason.DISPATCH_FAILED)  # whoever accepted drops it
             raise
         return attempt
 
-    async def _dispatch_prefill_only(self, req: GenerationRequest, avoid: set[str],
-                                     on_event: Callable[[Msg], Awaitable[None]]) -> Attempt:
+    async def _dispatch_prefill_only(self, run: RequestRun, req: GenerationRequest, avoid: set[str]) -> Attempt:
         """P alone (max_tokens 0): no decoder, no KV path; P's PrefillDone ends the request. The least
         loaded P: its cache would not help, since P computes the whole prompt for its logprobs."""
         prefill = self.registry.pick(Role.PREFILL, avoid=avoid)
         attempt = Attempt(req, 0, Pipeline.P, None, {Role.PREFILL: prefill.heartbeat.instance_id})
-        self.active[req.request_id] = (attempt, on_event)
+        self.active[req.request_id] = (attempt, run)
         try:
             with self.tracer.start_as_current_span("gateway.dispatch") as span:
                 span.set_attributes({"pdd.request_id": req.request_id, "pdd.pipeline": Pipeline.P,
@@ -361,22 +393,18 @@ class Dispatcher:
                     req.request_id, req.prompt_ids, [], self.config.request_timeout_s,
                     prompt_logprobs=req.prompt_logprobs), PrefillAccepted, tracing.inject())
         except BaseException:
-            await self.stop_attempt(attempt, CloseReason.DISPATCH_FAILED)
+            await self.stop(attempt, CloseReason.DISPATCH_FAILED)
             raise
         return attempt
 
-    async def stop_attempt(self, attempt: Attempt, reason: CloseReason) -> None:
-        """Idempotent per attempt: stop listening, free its instances, tell every tier to drop it."""
+    async def stop(self, attempt: Attempt, reason: CloseReason) -> None:
+        """Idempotent per attempt: stop listening (the one place an entry is dropped; everything of
+        the attempt goes with it), free its instances, tell every tier to drop it."""
         if self.active.get(attempt.request_id, (None,))[0] is not attempt:
             return
         del self.active[attempt.request_id]
-        self.costs.forget(attempt.request_id)
-        self._warmer.forget(attempt.request_id)
-        self._watches.pop(attempt.request_id, None)
-        main_started = attempt.request_id in self._main_started
-        self._main_started.discard(attempt.request_id)
         backfill_bytes_per_s, abort_reason = 0.0, str(reason)
-        if reason is CloseReason.FINISHED and Role.MAIN in attempt.instances and not main_started:
+        if reason is CloseReason.FINISHED and Role.MAIN in attempt.instances and not attempt.main_started:
             abort_reason = AbortReason.FINISHED_ON_RELAY  # P counts what its MD path sent for nothing
             self.metrics.finished_on_relay.inc()
             backfill_bytes_per_s = self._backfill_bytes_per_s(attempt)
@@ -410,15 +438,6 @@ class Dispatcher:
             log.warning("%s still holds %s, which this gateway let go: aborting it again",
                         heartbeat.instance_id, request_id)
             await bus.publish(self.nc, subjects.abort(), Abort(request_id, "orphaned"))
-
-    def _observe_prefill(self, done: PrefillDone) -> None:
-        self.costs.observe_prefill(done.computed_tokens, done.prefill_s)
-
-    def _count_recovery(self, action: Action) -> None:
-        self.metrics.recoveries.labels(action).inc()
-
-    def _count_loss(self, tier: Role, cause: LossKind) -> None:
-        self.metrics.tier_losses.labels(tier, cause).inc()
 
     def _record_policy(self, req: GenerationRequest, chosen: dict[Role, Instance], decision: PipelineDecision,
                        started_ns: int) -> None:

@@ -15,6 +15,10 @@ An attempt moves through these phases (`Attempt.move` refuses any other move):
 
 P's end is not a phase: RLD streams, and MD may take over, before P's PrefillDone arrives (and
 after RLD is lost MD takes over while P still sends its KV), so the report is kept as it comes.
+
+An attempt also holds what the gateway watches of it as its events arrive (the dispatcher reads
+and writes it): when each tier's last tokens came, whether MD has started, the hold on MD's KV,
+and how much of the answer P was asked to cache.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from shared.names import FailurePolicy, HandoffMode, Pipeline, Role
 from shared.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from services.gateway.routing.policy import PipelineDecision
+    from services.gateway.routing.policy import PipelineDecision, RelayWatch
 
 
 class AttemptPhase(enum.Enum):
@@ -90,6 +94,10 @@ class Attempt:
     phase: AttemptPhase = AttemptPhase.DISPATCHED
     prefill: PrefillDone | None = None  # P's report that every KV path is sent
     lost: set[Role] = field(default_factory=set)  # roles lost (and recovered from, or ignored)
+    relay_watch: RelayWatch | None = None  # P holds MD's KV back until RLD no longer looks like finishing first
+    main_started: bool = False  # MD made a token or took over
+    warmed_tokens: int = 0  # output tokens of this attempt P was last asked to cache
+    last_chunk_at: dict[str, float] = field(default_factory=dict)  # tier -> time.monotonic() of its last tokens
 
     @property
     def request_id(self) -> str:
@@ -97,3 +105,9 @@ class Attempt:
 
     def move(self, phase: AttemptPhase) -> None:
         self.phase = checked_move(_MOVES, self.phase, phase, f"attempt {self.request_id}")
+
+    def chunk_gap_s(self, tier: str, now: float) -> float | None:
+        """A chunk from `tier` came at `now`: the time since its previous one (None: its first)."""
+        last = self.last_chunk_at.get(tier)
+        self.last_chunk_at[tier] = now
+        return None if last is None else now - last

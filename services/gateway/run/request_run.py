@@ -1,9 +1,14 @@
 """One request in flight at the gateway: its attempts, the merge of their tokens, and recovery.
 
-A request is served by one attempt at a time (services/gateway/run/attempt.py). RLD's and MD's
-TokenChunks are merged by index, each exactly once, into what the client has. When a tier is
-lost, services/gateway/run/recovery.py says what to do; a migration stops the attempt and dispatches
-a new one (through the Dispatcher) with the streamed tokens appended to the prompt, so the
+A RequestRun is the one object that holds a request at the gateway: its attempts (each with what
+the gateway watches of it, services/gateway/run/attempt.py), the merge of their tokens, recovery,
+and what the response reports of it. The gateway creates it (`Dispatcher.start`), delivers it
+each event once decoded, and drops it when its last attempt is stopped. The run reaches the rest of
+the gateway only through its `RunHost`, as a decoder's role reaches its shell through `DecoderIO`.
+
+RLD's and MD's TokenChunks are merged by index, each exactly once, into what the client has. When
+a tier is lost, services/gateway/run/recovery.py says what to do; a migration stops the attempt and
+dispatches a new one (through the host) with the streamed tokens appended to the prompt, so the
 client's stream simply goes on. Every attempt ends with an Abort broadcast, so no tier keeps
 state for an attempt the gateway has let go.
 
@@ -29,17 +34,14 @@ import enum
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
+from typing import TYPE_CHECKING, Protocol
 
 from services.gateway.run.attempt import Attempt, AttemptPhase, GenerationRequest
 from services.gateway.run.outcome import CloseReason, LossKind, Migration
 from services.gateway.run.recovery import Action, RunState, on_tier_lost
-from shared import bus, messages, subjects, tracing
+from shared import subjects, tracing
 from shared.config import GatewayConfig
 from shared.errors import (
     DeadlineExceeded,
@@ -56,6 +58,7 @@ from shared.messages import (
     HandoffStats,
     KVReceived,
     MainLost,
+    Message,
     PrefillDone,
     PromptLogprobs,
     RequestFailed,
@@ -67,7 +70,7 @@ from shared.sampling import TokenLogprob
 if TYPE_CHECKING:
     from services.gateway.routing.policy import PipelineDecision
 
-__all__ = ["Attempt", "GenerationRequest", "RequestRun", "RunPhase", "TokenEvent", "new_request_id"]
+__all__ = ["Attempt", "GenerationRequest", "RequestRun", "RunHost", "RunPhase", "TokenEvent", "new_request_id"]
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +106,29 @@ _RUN_MOVES = {
 }
 
 
-# Dispatches an attempt: (request, output offset, instances to avoid if others serve, event callback) -> Attempt
-StartAttempt = Callable[[GenerationRequest, int, set[str], Callable[[Msg], Awaitable[None]]], Awaitable[Attempt]]
+class RunHost(Protocol):
+    """What a run asks of the gateway around it (services/gateway/routing/dispatcher.py)."""
+
+    async def dispatch(self, run: RequestRun, req: GenerationRequest, output_offset: int,
+                       avoid: set[str]) -> Attempt:
+        """Start an attempt, preferring instances not in `avoid`; its events go to `run.deliver`."""
+
+    async def stop(self, attempt: Attempt, reason: CloseReason) -> None:
+        """Idempotent per attempt: its events stop, its instances are freed, every tier drops it."""
+
+    def is_alive(self, instance_id: str) -> bool: ...
+
+    def instance_gone(self, instance_id: str) -> None:
+        """It said it is stopping: the registry drops it, so no migration picks it again."""
+
+    async def publish(self, subject: str, message: Message) -> None: ...
+
+    async def answer_grew(self, attempt: Attempt, token_ids: list[int]) -> None:
+        """The client has `token_ids` (the run's, from output index 0), more than before."""
+
+    def count_loss(self, tier: Role, how: LossKind) -> None: ...
+
+    def count_recovery(self, action: Action) -> None: ...
 
 _FAILED_BY_CODE = {cls.code: cls for cls in (DeadlineExceeded, ProtocolError, PeerGone, InstanceStopping)}
 
@@ -112,25 +136,12 @@ _FAILED_BY_CODE = {cls.code: cls for cls in (DeadlineExceeded, ProtocolError, Pe
 class RequestRun:
     """One request in flight: its current attempt, merge state and outcome."""
 
-    def __init__(self, nc: NATS, req: GenerationRequest, config: GatewayConfig, start_attempt: StartAttempt,
-                 stop_attempt: Callable[[Attempt, CloseReason], Awaitable[None]],
-                 is_alive: Callable[[str], bool] | None = None,
-                 on_prefill: Callable[[PrefillDone], None] | None = None,
-                 on_recovery: Callable[[Action], None] | None = None,
-                 on_lost: Callable[[Role, LossKind], None] | None = None,
-                 on_gone: Callable[[str], None] | None = None) -> None:
-        self.nc = nc
+    def __init__(self, req: GenerationRequest, config: GatewayConfig, host: RunHost) -> None:
         self.request = req
         self.request_id = req.request_id
         self.config = config
         self.failure_policy = req.failure_policy or FailurePolicy(config.failure_policy)
-        self._start_attempt = start_attempt
-        self._stop_attempt = stop_attempt  # idempotent per attempt
-        self._is_alive = is_alive
-        self._on_prefill = on_prefill
-        self._on_recovery = on_recovery
-        self._on_lost = on_lost
-        self._on_gone = on_gone  # told the id of an instance that said it is stopping (the registry drops it)
+        self.host = host
         self.phase = RunPhase.RUNNING
         self.first: Attempt | None = None
         self.attempt: Attempt | None = None
@@ -147,7 +158,7 @@ class RequestRun:
         self.started_at = time.monotonic()
         self.deadline_at = req.deadline_at or self.started_at + config.request_timeout_s
         self.trace_id = tracing.current_trace_id()  # the response names it, to find the trace on /dashboard
-        self._events: asyncio.Queue = asyncio.Queue()
+        self._events: asyncio.Queue[Message] = asyncio.Queue()  # decoded once, by the host
         self._pending: dict[int, TokenEvent] = {}  # arrived ahead of a gap, by absolute index
         # the prompt's logprobs by position (the first has none), when asked: P's PromptLogprobs fill them
         self._prompt_logprobs: list[TokenLogprob | None] = [None] * len(req.prompt_ids)
@@ -202,13 +213,11 @@ class RequestRun:
         return exc
 
     async def start(self) -> None:
-        self.attempt = self.first = await self._start_attempt(self.request, 0, set(), self._on_event)
+        self.attempt = self.first = await self.host.dispatch(self, self.request, 0, set())
 
-    async def _on_event(self, msg: Msg) -> None:
-        try:
-            self._events.put_nowait(messages.decode(msg.data))
-        except PddError as exc:
-            log.warning("%s: dropped a malformed event: %s", self.request_id, exc)
+    def deliver(self, event: Message) -> None:
+        """One of its attempts' events, decoded: tokens() applies it in arrival order."""
+        self._events.put_nowait(event)
 
     @property
     def current_attempt(self) -> Attempt:
@@ -272,7 +281,10 @@ class RequestRun:
             return []
         attempt = self.current_attempt
         if isinstance(event, TokenChunk):
-            return self._merge(event)
+            ready = self._merge(event)
+            if ready and self.finish_reason is None:
+                await self.host.answer_grew(attempt, self.token_ids)
+            return ready
         if isinstance(event, KVReceived):
             self.kv_received[str(event.tier)] = event  # a plain key: the summary goes out through orjson
         elif isinstance(event, HandoffStats):
@@ -282,8 +294,6 @@ class RequestRun:
             self._take_prompt_logprobs(event)
         elif isinstance(event, PrefillDone):
             attempt.prefill = self.prefill = event
-            if self._on_prefill is not None:
-                self._on_prefill(event)
             if attempt.request.prefill_only:  # P's report follows its last PromptLogprobs (one publisher)
                 if self._prompt_missing:
                     raise self._failed(ProtocolError(f"{self.request_id}: P finished without "
@@ -296,8 +306,8 @@ class RequestRun:
                 instance = attempt.instances.get(Role(tier))
             except ValueError:  # not a role's tier: _on_tier_lost fails the run
                 instance = None
-            if stopping and instance is not None and self._on_gone is not None:
-                self._on_gone(instance)  # before the migration picks: it must not be picked again
+            if stopping and instance is not None:
+                self.host.instance_gone(instance)  # before the migration picks: it must not be picked again
             await self._on_tier_lost(tier, f"{event.tier}: {event.message}", event.code, gone=stopping)
         return []
 
@@ -351,11 +361,9 @@ class RequestRun:
     async def _check_instances(self) -> None:
         """Notice a lost instance before any deadline would: its heartbeats and ping answers stopped,
         or its ping found nobody (the gateway pings every instance in use, routing/liveness.py)."""
-        if self._is_alive is None:
-            return
         attempt = self.current_attempt
         for role, instance_id in list(attempt.instances.items()):
-            if role not in attempt.lost and not self._is_alive(instance_id):
+            if role not in attempt.lost and not self.host.is_alive(instance_id):
                 await self._on_tier_lost(role, f"{role} instance {instance_id} stopped answering", PeerGone.code,
                                          gone=True)
                 return  # a migration may have replaced the attempt: check the new one next time
@@ -372,8 +380,7 @@ class RequestRun:
         attempt.lost.add(role)
         preempted = code == KVPreempted.code and not gone
         how = LossKind.GONE if gone else LossKind.PREEMPTED if preempted else LossKind.FAILED
-        if self._on_lost is not None:
-            self._on_lost(role, how)
+        self.host.count_loss(role, how)
         failure_migrations = sum(1 for m in self.migrations if not m.preempted)
         state = RunState(attempt.pipeline, attempt.phase, frozenset(attempt.lost - {role}),
                          len(self.token_ids) - attempt.output_offset, attempt.prefill is not None,
@@ -385,15 +392,14 @@ class RequestRun:
         if action is Action.FAIL:
             raise self._failed(_FAILED_BY_CODE.get(code, PddError)(message))
         self.recovery = action
-        if self._on_recovery is not None:
-            self._on_recovery(action)
+        self.host.count_recovery(action)
         if action is Action.FINISH_ON_RELAY:
-            await bus.publish(self.nc, subjects.main_lost(attempt.instances[Role.RELAY]),
-                              MainLost(attempt.request_id, message))
+            await self.host.publish(subjects.main_lost(attempt.instances[Role.RELAY]),
+                                    MainLost(attempt.request_id, message))
             attempt.move(AttemptPhase.RELAY_ALONE)
         elif action is Action.MAIN_TAKES_OVER:
             # the gateway hands off in RLD's place: every token the client has of this attempt, at once
-            await bus.publish(self.nc, subjects.handoff(attempt.instances[Role.MAIN]), Handoff(
+            await self.host.publish(subjects.handoff(attempt.instances[Role.MAIN]), Handoff(
                 attempt.request_id, self.token_ids[attempt.output_offset:], finished=False, start=0, final=True,
                 mode=HandoffMode.ONE_SHOT))
             self._cut(attempt, len(self.token_ids))
@@ -414,7 +420,7 @@ class RequestRun:
             pipeline=None, handoff_at=None, md_kv_delay_s=0.0, handoff_mode=None,
             prompt_logprobs=req.prompt_logprobs if self._prompt_missing else None)
         try:
-            self.attempt = await self._start_attempt(moved, len(streamed), set(self.failed_on), self._on_event)
+            self.attempt = await self.host.dispatch(self, moved, len(streamed), set(self.failed_on))
         except PddError as exc:
             raise self._failed(PeerGone(f"{reason}; could not move the request to another instance: {exc}")) from exc
         self.migrations.append(Migration(len(streamed), tier, preempted, self.attempt.pipeline, self.instances,
@@ -425,7 +431,7 @@ class RequestRun:
         if attempt.phase is AttemptPhase.STOPPED:
             return
         attempt.move(AttemptPhase.STOPPED)
-        await self._stop_attempt(attempt, reason)
+        await self.host.stop(attempt, reason)
 
     async def close(self, reason: CloseReason | str) -> None:
         """Idempotent: end the current attempt (`reason`: the HTTP layer's, one of CloseReason's values)."""
