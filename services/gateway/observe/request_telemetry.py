@@ -35,7 +35,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class FinishedGeneration(Protocol):
-    """What RequestTelemetry reads of openai_api's _Generation."""
+    """What RequestTelemetry reads of a choice's Generation (services/gateway/http/generation.py)."""
 
     run: RequestRun
     token_log: list[tuple[float, str]]  # (time.monotonic(), tier) per token handed to the HTTP layer, by index

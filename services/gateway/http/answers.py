@@ -1,0 +1,81 @@
+"""Writing a request's answer from its choices: whole, as one JSON object, or streamed, a chunk
+per step over SSE with a failure after the status line sent as an error event.
+
+Owns the response; the steps are choices.py's, the objects' shapes response_shapes.py's.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+
+import orjson
+from aiohttp import web
+from opentelemetry import trace
+
+from services.gateway.http import sse
+from services.gateway.http.choices import Choices
+from services.gateway.http.client_watch import client_gone
+from services.gateway.http.generation import Step
+from services.gateway.http.http_errors import error_payload
+from shared import tracing
+from shared.errors import PddError
+
+log = logging.getLogger(__name__)
+
+Json = dict[str, object]
+
+
+def json_response(body: Json, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(body), content_type="application/json", headers=headers)
+
+
+async def whole_answer(request: web.Request, choices: Choices) -> web.StreamResponse:
+    """Every choice read to its end, then one chat.completion or text_completion."""
+    steps: dict[int, list[Step]] = collections.defaultdict(list)
+    async for choice, step in choices.steps():
+        steps[choice.index].append(step)
+        if client_gone(request):
+            choices.set_close_reason("client_disconnected")
+            return web.Response(status=499, reason="Client Closed Request")  # nobody reads it
+    bodies = [c.shapes.choice("".join(s.text for s in steps[c.index]), steps[c.index],
+                              c.generation.finish_reason or "stop", c.tool_names) for c in choices.started]
+    pdd = choices.started[0].generation.pdd_summary()
+    if len(choices.started) > 1:
+        pdd = {**pdd, "choices": [c.generation.pdd_summary() for c in choices.started]}
+    body = choices.shapes.completion(bodies, choices.usage(), pdd)
+    return json_response(body, headers={"X-Request-Id": choices.request_id})
+
+
+async def streamed_answer(request: web.Request, choices: Choices) -> web.StreamResponse:
+    """A chunk per step as it comes, each choice's final chunk, the usage chunk when asked for, [DONE]."""
+    request_id = choices.request_id
+    response = web.StreamResponse(headers={**sse.HEADERS, "X-Request-Id": request_id})
+    try:
+        await response.prepare(request)
+        try:
+            async for choice, step in choices.steps():
+                generation = choice.generation
+                delta = None if choice.tool_deltas is None else choice.tool_deltas.delta(step)
+                await sse.send(response, sse.event(choice.shapes.token_chunk(step, generation.run.pipeline, delta)))
+                if step.finish_reason is not None:
+                    finish_reason = (step.finish_reason if choice.tool_deltas is None
+                                     else choice.tool_deltas.finish_reason(step.finish_reason))
+                    await sse.send(response, sse.event(choice.shapes.final_chunk(
+                        finish_reason, generation.summary(), generation.take_handoff())))
+            if choices.shapes.include_usage:
+                await sse.send(response, sse.event(choices.shapes.usage_chunk(choices.usage())))
+        except sse.ClientGone:
+            raise
+        except Exception as exc:  # the status line is sent: the error travels as an SSE event
+            if not isinstance(exc, PddError):
+                log.exception("%s: unhandled error while streaming", request_id)
+            else:
+                log.warning("%s: failed while streaming: %s: %s", request_id, type(exc).__name__, exc)
+            tracing.record_error(trace.get_current_span(), exc)
+            await sse.send(response, sse.event(error_payload(exc)[1]))
+        await sse.send(response, sse.DONE)
+        await response.write_eof()
+    except (sse.ClientGone, ConnectionError):
+        choices.set_close_reason("client_disconnected")
+        log.info("%s: client disconnected", request_id)
+    return response
