@@ -1,87 +1,41 @@
 """The batch engine: one thread that runs every request's model work in shared forward passes.
 
-Requests join and leave the running batch at every step. A step takes the pending work (decode
-tokens first, then extend and prefill tokens, split to fit `max_batch_tokens`; on P, longer work
-in the order its requests were admitted, background work last, each later row's attention over
-its cached context weighed against the budget), runs ONE packed forward over it and resolves
-each caller's asyncio future on its own loop. The engine also owns the KV: a budget of tokens,
-admission in arrival order while the budget has room, and exactly one free per request. A
-decoding request's KV grows as it decodes, by `kv_grow_tokens` or a quarter of what it holds (so
-a default max_tokens of the whole context costs only what is used); when a step's growth does not
-fit the budget, the newest requests are preempted (KVPreempted, as vLLM does: the gateway
-restarts them with the tokens they made). asyncio code never runs a forward; it awaits futures.
+Requests join and leave the running batch at every step. A step gathers the pending work (holding
+briefly for work announced to arrive), admits what the KV budget has room for
+(shared/kv_budget.py), takes the rows the scheduler picks (shared/scheduler.py), grows their KV,
+runs ONE packed forward over them, samples (grammar masks first) and resolves each caller's asyncio
+future on its own loop. asyncio code never runs a forward; it awaits futures.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
 from shared.config import EngineConfig
+from shared.engine_futures import follow, notify
 from shared.engine_timeline import EngineTimeline
 from shared.errors import BadRequest, KVPreempted, PddError
 from shared.grammar import Constraint, GrammarCompiler, GrammarDiverged, GrammarState
+from shared.kv_budget import Admission, KVBudget
 from shared.model_runner import DecodeSequence, ModelRunner, PackedRow, SequenceKV
-from shared.sampling import TokenLogprob, sample_rows, score_tokens
+from shared.sampling import sample_rows, score_tokens
+from shared.scheduler import Row, Scheduler, Scoring, Work
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 StepResult = tuple[int, "str | None"]
 
 
-class KVBudgetExceeded(BadRequest):
-    """The request needs more KV than the whole budget: it could never be admitted."""
-
-
 class NotAdmitted(PddError):
     code = "not_admitted"
-
-
-@dataclass(frozen=True)
-class Scoring:
-    """Score fed tokens' successors (a prompt's logprobs): next_ids[i] is the token after feed_ids[i],
-    scored by the logits after feed_ids[i], with the top_n likeliest tokens there."""
-
-    next_ids: list[int]
-    top_n: int
-
-
-@dataclass(eq=False)  # by identity: a step's failed work is looked up by it
-class _Work:
-    key: str
-    feed_ids: list[int]
-    sample: bool
-    return_kv: bool
-    future: asyncio.Future
-    fed: int = 0  # tokens of feed_ids already in the KV (work split across steps)
-    unfeed: int = 0  # newest KV positions to drop when the work is first scheduled (then 0)
-    submitted_ns: int = 0
-    started_ns: int = 0  # when its first forward began
-    score: Scoring | None = None
-    scored: list[TokenLogprob] = field(default_factory=list)  # one per fed token so far, when scoring
-
-    @property
-    def left(self) -> int:
-        return len(self.feed_ids) - self.fed
-
-
-@dataclass
-class _Admission:
-    key: str
-    parts: Sequence[torch.Tensor]
-    kv_tokens: int  # the most positions it will hold
-    first_tokens: int  # what admission allocates (and the budget must have room for)
-    seq: DecodeSequence | None
-    future: asyncio.Future
-    background: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,47 +48,15 @@ class _Command:
     key: str = ""
 
 
-@dataclass
-class _Slot:
-    kv: SequenceKV  # kv.capacity positions allocated: what the budget counts
-    kv_tokens: int  # the most it may grow to
-    seq: DecodeSequence | None
-    background: bool = False  # its long work goes after everyone else's (P's warm-ups)
+class _KVCount:
+    """A count the KV budget keeps, read as the engine's own (as the stats name it)."""
 
+    def __init__(self, name: str) -> None:
+        self.name = name
 
-def _settle(future: asyncio.Future, result: object = None, exc: BaseException | None = None,
-            cancel: bool = False) -> None:
-    if future.done():  # the caller gave up (cancelled): nothing to tell it
-        return
-    if cancel:
-        future.cancel()
-    elif exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(result)
-
-
-def _follow(source: asyncio.Future, target: asyncio.Future) -> None:
-    """From the engine thread: settle `target` (a feed-only work's, result None) as `source` settles."""
-    def settle_target(done: asyncio.Future) -> None:
-        if done.cancelled():
-            _settle(target, cancel=True)
-        else:
-            _settle(target, exc=done.exception())
-
-    try:  # registered before source's own settling, which also goes through call_soon_threadsafe
-        source.get_loop().call_soon_threadsafe(source.add_done_callback, settle_target)
-    except RuntimeError:  # its loop is closed: nobody is waiting any more
-        pass
-
-
-def _notify(future: asyncio.Future, result: object = None, exc: BaseException | None = None,
-            cancel: bool = False) -> None:
-    """Settle a future from the engine thread, on its own loop."""
-    try:
-        future.get_loop().call_soon_threadsafe(_settle, future, result, exc, cancel)
-    except RuntimeError:  # its loop is closed: nobody is waiting any more
-        pass
+    def __get__(self, engine: BatchEngine, owner: type) -> int:
+        count: int = getattr(engine.kv_budget, self.name)
+        return count
 
 
 class BatchEngine:
@@ -148,26 +70,21 @@ class BatchEngine:
         self.config = config
         self.grammars = grammars
         self._cond = threading.Condition()
-        self._incoming: list[_Work] = []  # guarded by _cond
+        self._incoming: list[Work] = []  # guarded by _cond
         # guarded by _cond: what to run between steps, and the future it settles (failed if never run)
         self._commands: deque[_Command] = deque()
         self.timeline = EngineTimeline(config.timeline_path, name) if config.timeline_path else None
         self.on_death: Callable[[BaseException], None] | None = None  # called on the engine thread if its loop dies
         self._stopping = False
         # engine-thread state
-        self._work: list[_Work] = []
-        self._waiting: deque[_Admission] = deque()
-        self._slots: dict[str, _Slot] = {}
+        self.scheduler = Scheduler(config)
+        self.kv_budget = KVBudget(runner, config, self._prepare, self._forget, self._record)
+        self._work: list[Work] = []
         self._expected: set[str] = set()  # keys served by the last step, likely to submit again
-        self.kv_used_tokens = 0
         self.steps = 0
         self.rows = 0  # requests served, summed over steps
         self.forward_s = 0.0  # time spent in forwards and sampling
         self.batch_sizes: deque[int] = deque(maxlen=256)  # requests per recent step
-        self.frees = 0
-        self.grows = 0
-        self.preemptions = 0
-        self._preempted: set[str] = set()  # keys whose KV was taken back, until they are released
         self._due: dict[str, float] = {}  # key -> when its announced work should arrive (time.monotonic)
         self._step_s = 0.0  # a moving average of a step's forward, for how long a hold may last
         self.holds = 0  # steps held back for announced work
@@ -182,33 +99,31 @@ class BatchEngine:
     @property
     def waiting(self) -> int:
         """Requests waiting for KV budget."""
-        return len(self._waiting)
+        return len(self.kv_budget.waiting)
 
     @property
     def running(self) -> int:
-        return len(self._slots)
+        return len(self.kv_budget.slots)
 
     @property
     def queued(self) -> int:
         """Work not yet started: requests waiting for KV budget and steps waiting for a forward."""
-        return len(self._waiting) + len(self._work) + len(self._incoming)
+        return len(self.kv_budget.waiting) + len(self._work) + len(self._incoming)
+
+    kv_used_tokens = _KVCount("used_tokens")  # what admitted requests allocated
+    frees = _KVCount("frees")
+    grows = _KVCount("grows")
+    preemptions = _KVCount("preemptions")
 
     def stats(self) -> dict[str, int | float]:
         """For the heartbeat: kv_used_tokens is what admitted requests allocated, kv_filled_tokens what they hold."""
         steps = self.steps
         return {"kv_budget_tokens": self.config.kv_budget_tokens, "kv_used_tokens": self.kv_used_tokens,
-                "kv_filled_tokens": self._filled_tokens(), "waiting": self.waiting, "running": self.running,
+                "kv_filled_tokens": self.kv_budget.filled_tokens(), "waiting": self.waiting, "running": self.running,
                 "engine_steps": steps, "mean_batch": round(self.rows / steps, 2) if steps else 0.0,
                 "kv_frees": self.frees, "kv_grows": self.grows, "preemptions": self.preemptions,
                 "forward_s": round(self.forward_s, 3), "holds": self.holds, "holds_met": self.holds_met,
                 "announced": self.announced, "announced_late": self.announced_late}
-
-    def _filled_tokens(self) -> int:
-        while True:
-            try:
-                return sum(slot.kv.length for slot in tuple(self._slots.values()))
-            except RuntimeError:  # the engine thread changed the dict under us: read again
-                continue
 
     async def open(self, key: str, parts: Sequence[torch.Tensor], kv_tokens: int,
                    seq: DecodeSequence | None = None, pending_tokens: int = 0,
@@ -222,15 +137,9 @@ class BatchEngine:
         The caller must `release(key)` on every path once this was called, also when it was
         cancelled while waiting: the release is what frees the KV or withdraws the wait.
         """
-        budget = self.config.kv_budget_tokens
-        if budget and kv_tokens > budget:
-            raise KVBudgetExceeded(f"{key} needs {kv_tokens} KV tokens, more than the budget of {budget}")
-        grow = self.config.kv_grow_tokens
-        filled = sum(part.shape[3] for part in parts) + pending_tokens
-        first = min(kv_tokens, filled + grow) if seq is not None and grow else kv_tokens
         future = asyncio.get_running_loop().create_future()
-        admission = _Admission(key, parts, kv_tokens, first, seq, future, background)
-        self._command(lambda: self._waiting.append(admission), future, "open", key)
+        admission = self.kv_budget.admission(key, parts, kv_tokens, seq, pending_tokens, background, future)
+        self._command(lambda: self.kv_budget.waiting.append(admission), future, "open", key)
         return await future
 
     def submit(self, key: str, feed_ids: list[int], sample: bool, return_kv: bool = False,
@@ -256,14 +165,14 @@ class BatchEngine:
         return result, work.submitted_ns, work.started_ns
 
     def _submit(self, key: str, feed_ids: list[int], sample: bool, return_kv: bool,
-                score: Scoring | None = None, unfeed: int = 0) -> _Work:
+                score: Scoring | None = None, unfeed: int = 0) -> Work:
         if not feed_ids:
             raise ValueError("nothing to feed")
         if score is not None and (sample or len(score.next_ids) != len(feed_ids)):
             raise ValueError("scoring needs one next token per fed token, and no sampling")
         if unfeed < 0:
             raise ValueError(f"cannot unfeed {unfeed} positions")
-        work = _Work(key, list(feed_ids), sample, return_kv, asyncio.get_running_loop().create_future(),
+        work = Work(key, list(feed_ids), sample, return_kv, asyncio.get_running_loop().create_future(),
                      submitted_ns=time.time_ns(), score=score, unfeed=unfeed)
         with self._cond:
             self._check_alive()
@@ -289,7 +198,7 @@ class BatchEngine:
         due = time.monotonic() + max(0.0, in_s)
 
         def announce() -> None:
-            if key in self._slots:
+            if key in self.kv_budget.slots:
                 self._due[key] = due
                 self.announced += 1
 
@@ -301,7 +210,7 @@ class BatchEngine:
     def release(self, key: str) -> None:
         """Free a request's KV, or withdraw its wait for budget; idempotent, safe from any thread."""
         try:
-            self._command(lambda: self._release(key), None, "release", key)
+            self._command(lambda: self.kv_budget.release(key), None, "release", key)
         except NotAdmitted:  # the engine stopped, and freed everything as it did
             pass
 
@@ -336,7 +245,7 @@ class BatchEngine:
                 result, exc = (fn(*args), started_ns), None
             except Exception as error:
                 result, exc = None, error
-            _notify(future, result, exc)
+            notify(future, result, exc)
 
         self._command(call, future, getattr(fn, "__name__", "run").strip("_"),
                       args[0] if args and isinstance(args[0], str) else "")
@@ -373,10 +282,10 @@ class BatchEngine:
     def _loop(self) -> None:
         if self.config.torch_threads > 0:
             torch.set_num_threads(self.config.torch_threads)
-        batch: list[tuple[_Work, int]] = []
+        batch: list[Row] = []
         try:
             while self._gather():
-                self._admit()
+                self.kv_budget.admit()
                 batch = self._make_room(self._schedule())
                 if batch:
                     self._run(batch)
@@ -387,7 +296,7 @@ class BatchEngine:
                 self.on_death(exc)
             died = NotAdmitted(f"the engine stopped: {type(exc).__name__}: {exc}")
             for work, _ in batch:  # the step that failed: its work may have left the queue already
-                _notify(work.future, exc=died)
+                notify(work.future, exc=died)
             self._fail_all(died)
         finally:
             self._fail_all(NotAdmitted("engine stopped"))
@@ -416,10 +325,10 @@ class BatchEngine:
                     log.exception("engine command failed")
                 self._record("command", t_ns=started_ns, end_ns=time.time_ns(), label=command.label, key=command.key)
             if commands:
-                self._admit()
+                self.kv_budget.admit()
             now = time.monotonic()
             have_work = bool(self._work)
-            missing = {key for key in self._expected - {w.key for w in self._work} if key in self._slots}
+            missing = {key for key in self._expected - {w.key for w in self._work} if key in self.kv_budget.slots}
             if missing and now >= deadline:
                 self._expected.clear()
                 missing = set()
@@ -448,7 +357,7 @@ class BatchEngine:
         grace is over; work that missed its hold joins a later step without another hold and counts
         in `announced_late`."""
         arrived = {w.key for w in self._work if w.sample}  # the announced work samples (MD's cut)
-        for key in [k for k in self._due if k in arrived or k not in self._slots]:
+        for key in [k for k in self._due if k in arrived or k not in self.kv_budget.slots]:
             del self._due[key]  # it came (or the request is gone): nothing left to hold for
         limit = self.config.hold_steps * self._step_s
         if not self._due or limit <= 0:
@@ -465,169 +374,56 @@ class BatchEngine:
         self.announced_late += len(late)
         return until if until is not None and until > now else None
 
-    def _admit(self) -> None:
-        budget = self.config.kv_budget_tokens
-        while self._waiting:
-            admission = self._waiting[0]
-            if budget and self.kv_used_tokens + admission.first_tokens > budget:
-                return  # in arrival order: a big request is not overtaken forever by small ones
-            self._waiting.popleft()
-            try:
-                if admission.seq is not None and admission.seq.sampling.constraint is not None:
-                    admission.seq.grammar = self._new_grammar(admission.seq.sampling.constraint)
-                kv = self.runner.new_kv(admission.first_tokens, admission.parts)
-            except Exception as exc:
-                _notify(admission.future, exc=exc)
-                continue
-            self._slots[admission.key] = _Slot(kv, admission.kv_tokens, admission.seq, admission.background)
-            self.kv_used_tokens += admission.first_tokens
-            self._record("admitted", t_ns=time.time_ns(), key=admission.key, tokens=admission.first_tokens)
-            if admission.seq is not None:
-                admission.seq.kv = kv
-            _notify(admission.future, kv)  # a caller that gave up meanwhile still releases the key
+    def _prepare(self, admission: Admission) -> None:
+        """Before an admission's KV is allocated: its grammar, if it has a constraint."""
+        if admission.seq is not None and admission.seq.sampling.constraint is not None:
+            admission.seq.grammar = self._new_grammar(admission.seq.sampling.constraint)
 
     def _new_grammar(self, constraint: dict[str, str]) -> GrammarState:
         if self.grammars is None:
             raise BadRequest("this engine has no grammar support; constrained decoding runs on decoders")
         return self.grammars.new_state(Constraint.from_dict(constraint))
 
-    def _release(self, key: str) -> None:
-        self._preempted.discard(key)
-        self._free(key, None)
-        self._admit()
-
-    def _free(self, key: str, exc: PddError | None) -> None:
-        """Drop a request's KV and its waits; its pending work fails with `exc`, or is cancelled."""
-        slot = self._slots.pop(key, None)
-        if slot is not None:
-            self.kv_used_tokens -= slot.kv.capacity
-            self.frees += 1
-            slot.kv.data = torch.empty(0)  # the storage goes now, whoever still holds the SequenceKV
-        withdrawn = [a.future for a in self._waiting if a.key == key] + [w.future for w in self._work if w.key == key]
-        self._waiting = deque(a for a in self._waiting if a.key != key)
+    def _forget(self, key: str, exc: PddError | None) -> None:
+        """The KV budget freed a request: its queued work fails with `exc`, or is cancelled."""
+        withdrawn = [w.future for w in self._work if w.key == key]
         self._work = [w for w in self._work if w.key != key]
         for future in withdrawn:
-            _notify(future, exc=exc, cancel=exc is None)
+            notify(future, exc=exc, cancel=exc is None)
         self._expected.discard(key)
         self._due.pop(key, None)
 
-    def _make_room(self, batch: list[tuple[_Work, int]]) -> list[tuple[_Work, int]]:
-        """Grow the KV of each row that would overflow it, preempting the newest requests while the
-        budget cannot give the growth (a row that is itself the newest gives way): the rows left."""
-        budget = self.config.kv_budget_tokens
-        for work, take in batch:
-            slot = self._slots.get(work.key)
-            if slot is None or slot.kv.length + take <= slot.kv.capacity:
-                continue
-            needed = slot.kv.length + take
-            more_room = max(self.config.kv_grow_tokens, slot.kv.length // 4)  # long answers copy rarely
-            capacity = min(max(slot.kv_tokens, needed), needed + more_room)
-            more = capacity - slot.kv.capacity
-            while budget and self.kv_used_tokens + more > budget:
-                victim = next(reversed(self._slots))  # the newest admitted loses the least work
-                self._preempt(victim)
-                if victim == work.key:
-                    break
-            if work.key in self._slots:
-                started_ns = time.time_ns()
-                slot.kv.data = self.runner.grown(slot.kv.data, slot.kv.length, capacity)
-                self._record("command", t_ns=started_ns, end_ns=time.time_ns(), label="grow", key=work.key)
-                self.kv_used_tokens += more
-                self.grows += 1
-        return [(work, take) for work, take in batch if work.key in self._slots]
+    def _make_room(self, batch: list[Row]) -> list[Row]:
+        return self.kv_budget.make_room(batch)
 
-    def _preempt(self, key: str) -> None:
-        log.info("preempting %s: the KV budget of %d tokens is full", key, self.config.kv_budget_tokens)
-        self.preemptions += 1
-        self._preempted.add(key)
-        self._free(key, KVPreempted(f"{key} was preempted: the decoder's KV budget "
-                                    f"({self.config.kv_budget_tokens} tokens) is full"))
-
-    def _schedule(self) -> list[tuple[_Work, int]]:
-        """Decode tokens first (latency), then longer work, split to fit the budget: in queue order, or
-        (`long_work_by_admission`) in the order its requests were admitted, background work last."""
+    def _schedule(self) -> list[Row]:
+        """The next step's rows (shared/scheduler.py), the queue tidied first: work whose request
+        holds no KV fails, cancelled and finished work goes, and feed-only work joins the next."""
         for work in self._work:
-            if work.key not in self._slots:
-                work.fed = len(work.feed_ids)  # done with: dropped below
-                _notify(work.future, exc=KVPreempted(f"{work.key} was preempted") if work.key in self._preempted
-                        else NotAdmitted(f"{work.key} holds no KV here"))
-        self._work = self._coalesced([w for w in self._work if w.left and not w.future.cancelled()])
-        firsts: dict[str, _Work] = {}  # one row per request, its oldest work: the next waits for the next step
-        for work in self._work:
-            firsts.setdefault(work.key, work)
-        admitted = {key: i for i, key in enumerate(self._slots)} if self.config.long_work_by_admission else {}
-        budget = float(self.config.max_batch_tokens)
-        batch: list[tuple[_Work, int]] = []
-        long_rows = 0
-        for work in sorted(firsts.values(), key=lambda w: (w.left > 1, self._slots[w.key].background,
-                                                           admitted.get(w.key, 0))):
-            if budget < 1:
-                break
-            if work.unfeed and not self._unfeed(work):
-                continue
-            if work.left == 1 or long_rows == 0:  # the first long row is cut by tokens: it never waits on others
-                take = min(work.left, int(budget))
-            else:
-                take = self._fitting(work, budget)
-                if take == 0:
-                    continue
-            long_rows += work.left > 1
-            batch.append((work, take))
-            budget -= self._cost(work, take)
-        return batch
-
-    def _cost(self, work: _Work, take: int) -> float:
-        """What feeding `take` tokens of the work costs the step's budget: a token each, and with
-        `attention_cost_tokens` C, a fed token over a context of n positions counts 1 + n / C (a
-        one-token decode step counts 1)."""
-        c = self.config.attention_cost_tokens
-        if c <= 0 or work.left <= 1:
-            return float(take)
-        return take * (1 + (self._slots[work.key].kv.length + take / 2) / c)
-
-    def _fitting(self, work: _Work, budget: float) -> int:
-        """The most tokens of the work whose cost fits the budget (the inverse of _cost)."""
-        c = self.config.attention_cost_tokens
-        if c <= 0:
-            return min(work.left, int(budget))
-        b = 1 + self._slots[work.key].kv.length / c  # cost(t) = t * (b + t / 2c)
-        return min(work.left, int(c * (math.sqrt(b * b + 2 * budget / c) - b)))
+            if work.key not in self.kv_budget.slots:
+                self._drop(work, KVPreempted(f"{work.key} was preempted") if work.key in self.kv_budget.preempted
+                           else NotAdmitted(f"{work.key} holds no KV here"))
+        self._work, joined = self.scheduler.coalesce([w for w in self._work if w.left and not w.future.cancelled()])
+        for work, prev in joined:
+            follow(work.future, prev.future)
+        schedule = self.scheduler.schedule(self._work, self.kv_budget.slots)
+        for work, exc in schedule.failed:
+            self._drop(work, exc)
+        for work, _ in schedule.rows:
+            if work.unfeed:  # first scheduled: drop the newest positions it asked to
+                self.kv_budget.slots[work.key].kv.length -= work.unfeed
+                work.unfeed = 0
+        return schedule.rows
 
     @staticmethod
-    def _coalesced(works: list[_Work]) -> list[_Work]:
-        """Queued work, where a request's work that only feeds (no sampling, scoring or KV returned)
-        is joined by its next work: one row, one step (MD's Catch-Up pass still queued when the cut's
-        pass comes). The joined work's future settles with the one that carries its tokens."""
-        last: dict[str, _Work] = {}
-        kept: list[_Work] = []
-        for work in works:
-            prev = last.get(work.key)
-            if (prev is not None and not (prev.sample or prev.return_kv or prev.score) and prev.unfeed == 0
-                    and not (work.return_kv or work.score) and work.fed == 0 and work.unfeed <= prev.left):
-                # "drop the newest u positions, then feed" after tokens not yet fed: drop those tokens
-                work.feed_ids = prev.feed_ids[prev.fed:len(prev.feed_ids) - work.unfeed] + work.feed_ids
-                work.unfeed = 0
-                _follow(work.future, prev.future)
-                kept.remove(prev)
-            kept.append(work)
-            last[work.key] = work
-        return kept
+    def _drop(work: Work, exc: BaseException) -> None:
+        """Fail a work; it leaves the queue after the step."""
+        work.fed = len(work.feed_ids)
+        notify(work.future, exc=exc)
 
-    def _unfeed(self, work: _Work) -> bool:
-        """Drop the KV of the work's request's newest `work.unfeed` positions; False (the work failed)
-        if it holds fewer."""
-        kv = self._slots[work.key].kv
-        if work.unfeed > kv.length:
-            work.fed = len(work.feed_ids)  # done with: dropped after the step
-            _notify(work.future, exc=ValueError(f"{work.key} holds {kv.length} positions, cannot unfeed {work.unfeed}"))
-            return False
-        kv.length -= work.unfeed
-        work.unfeed = 0
-        return True
-
-    def _run(self, batch: list[tuple[_Work, int]]) -> None:
+    def _run(self, batch: list[Row]) -> None:
         """One packed forward over the batch; then sample, and settle the work that is complete."""
-        rows = [PackedRow(self._slots[w.key].kv, w.feed_ids[w.fed:w.fed + take], w.sample and take == w.left,
+        rows = [PackedRow(self.kv_budget.slots[w.key].kv, w.feed_ids[w.fed:w.fed + take], w.sample and take == w.left,
                           every_logit=w.score is not None) for w, take in batch]
         scoring, sampling_rows = self._logit_rows(batch)
         started_ns = time.time_ns()
@@ -640,8 +436,7 @@ class BatchEngine:
         except Exception as exc:
             log.exception("forward over %d requests failed", len(batch))
             for work, _ in batch:
-                work.fed = len(work.feed_ids)
-                _notify(work.future, exc=exc)
+                self._drop(work, exc)
             self._work = [w for w in self._work if w.left]
             return
         self._expected = set()
@@ -660,7 +455,7 @@ class BatchEngine:
                 work.fed = len(work.feed_ids)
                 settled.append((work.future, None, failed[work]))
             elif not work.left and not work.sample:
-                kv = self._slots[work.key].kv
+                kv = self.kv_budget.slots[work.key].kv
                 result = kv.slice(kv.length - len(work.feed_ids), kv.length).to("cpu") if work.return_kv else None
                 settled.append((work.future, result if work.score is None else (result, work.scored), None))
         self._work = [w for w in self._work if w.left]
@@ -675,12 +470,12 @@ class BatchEngine:
                                 cpu_ns=time.thread_time_ns() - cpu0_ns,
                                 rows=[[w.key, take, w.sample and not w.left, w.submitted_ns] for w, take in batch])
         for future, outcome, error in settled:
-            _notify(future, outcome, error)
+            notify(future, outcome, error)
 
     @staticmethod
-    def _logit_rows(batch: list[tuple[_Work, int]]) -> tuple[list[tuple[_Work, int, int]], list[int]]:
+    def _logit_rows(batch: list[Row]) -> tuple[list[tuple[Work, int, int]], list[int]]:
         """Where each work's logits will be: (scoring work, its first row, rows) and the sampling rows."""
-        scoring: list[tuple[_Work, int, int]] = []
+        scoring: list[tuple[Work, int, int]] = []
         sampling: list[int] = []
         at = 0
         for work, take in batch:
@@ -692,9 +487,9 @@ class BatchEngine:
                 at += 1
         return scoring, sampling
 
-    def _score(self, scoring: list[tuple[_Work, int, int]], logits: torch.Tensor) -> dict[_Work, Exception]:
+    def _score(self, scoring: list[tuple[Work, int, int]], logits: torch.Tensor) -> dict[Work, Exception]:
         """Append each scoring work's logprobs for this step's tokens (before `fed` moves past them)."""
-        failed: dict[_Work, Exception] = {}
+        failed: dict[Work, Exception] = {}
         for work, first, rows in scoring:
             score = work.score
             assert score is not None  # _logit_rows put only scoring work here
@@ -706,10 +501,10 @@ class BatchEngine:
                 failed[work] = exc
         return failed
 
-    def _sample(self, sampled: list[_Work], logits: torch.Tensor) -> list[tuple[asyncio.Future, object,
+    def _sample(self, sampled: list[Work], logits: torch.Tensor) -> list[tuple[asyncio.Future, object,
                                                                                  BaseException | None]]:
         """Pick each sampling row's token (its grammar synced and applied first): what to settle."""
-        seqs = [self._slots[w.key].seq for w in sampled]
+        seqs = [self.kv_budget.slots[w.key].seq for w in sampled]
         failed: dict[int, PddError] = {}
         grammars: dict[int, GrammarState | None] = {}
         ready_seqs: dict[int, DecodeSequence] = {}
@@ -742,13 +537,13 @@ class BatchEngine:
         return settled
 
     def _fill(self, key: str, part: torch.Tensor) -> None:
-        slot = self._slots.get(key)
+        slot = self.kv_budget.slots.get(key)
         if slot is None:
             raise NotAdmitted(f"{key} holds no KV here")
         self.runner.append_kv(slot.kv, part)
 
     def _export(self, key: str, start: int, end: int) -> torch.Tensor:
-        slot = self._slots.get(key)
+        slot = self.kv_budget.slots.get(key)
         if slot is None:
             raise NotAdmitted(f"{key} holds no KV here")
         return slot.kv.slice(start, end)
@@ -759,10 +554,10 @@ class BatchEngine:
             self._work += self._incoming
             self._incoming = []
             commands, self._commands = self._commands, deque()
-        pending = ([w.future for w in self._work] + [a.future for a in self._waiting]
+        pending = ([w.future for w in self._work] + [a.future for a in self.kv_budget.waiting]
                    + [command.future for command in commands if command.future is not None])
-        self._work, self._waiting = [], deque()
+        self._work, self.kv_budget.waiting = [], deque()
         for future in pending:
-            _notify(future, exc=exc)
-        for key in list(self._slots):
-            self._release(key)
+            notify(future, exc=exc)
+        for key in list(self.kv_budget.slots):
+            self.kv_budget.release(key)
