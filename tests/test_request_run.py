@@ -318,6 +318,44 @@ async def test_a_preempted_request_restarts_on_the_same_decoder_under_any_policy
         await feed(run, failed(run, Role.MAIN))
 
 
+# --- what the response reports --------------------------------------------------------------
+
+
+async def named(dispatch: FakeDispatch, pipeline: Pipeline) -> RequestRun:
+    req = GenerationRequest(REQ_ID, list(PROMPT), SamplingParams(max_tokens=20), pipeline, None, 0.0)
+    run = RequestRun(req, CONFIG, dispatch)
+    await run.start()
+    return run
+
+
+async def test_a_retry_reports_the_pipeline_that_served_it_and_each_attempts():
+    """Issue 43: requests that named P-RLD-MD, retried as P-MD after P's loss, still said p-rld-md."""
+    run = await named(FakeDispatch(Pipeline.P_RLD_MD, Pipeline.P_MD), Pipeline.P_RLD_MD)
+    await feed(run, failed(run, Role.PREFILL))  # before any token: the request is dispatched again
+    await feed(run, chunk(run, 0, [100, 101], Role.MAIN, "length"))
+    summary = run.summary()
+    assert summary["pipeline"] == "p-md" and summary["pipeline_requested"] == "p-rld-md"
+    assert [(a["pipeline"], a["after_tokens"]) for a in summary["attempts"]] == [("p-rld-md", 0), ("p-md", 0)]
+    assert summary["migrations"][0]["pipeline"] == "p-md"
+
+
+async def test_relay_finishing_alone_is_reported_as_p_rld():
+    run = await named(FakeDispatch(Pipeline.P_RLD_MD), Pipeline.P_RLD_MD)
+    await feed(run, chunk(run, 0, [100], Role.RELAY))
+    assert run.pipeline == "p-rld-md"
+    await feed(run, failed(run, Role.MAIN), chunk(run, 1, [101], Role.RELAY, "length"))
+    summary = run.summary()
+    assert summary["recovery"] == "finish_on_relay" and summary["pipeline"] == "p-rld"
+    assert [a["pipeline"] for a in summary["attempts"]] == ["p-rld"] and summary["pipeline_requested"] == "p-rld-md"
+    await run.close("finished")
+    assert run.summary()["pipeline"] == "p-rld", "still so once the attempt is let go"
+
+
+async def test_a_request_that_names_no_pipeline_reports_none_requested():
+    run, _ = await start_run(FakeDispatch(Pipeline.P_MD))
+    assert run.summary()["pipeline_requested"] is None and run.summary()["pipeline"] == "p-md"
+
+
 # --- the event loop: delivered events, the watchdog ---------------------------------------
 
 

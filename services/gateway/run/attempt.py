@@ -92,6 +92,7 @@ class Attempt:
     main_cached_tokens: int = 0  # MD's DRC hit: prompt tokens whose KV did not cross the WAN
     main_backfill: bool = False  # MD would keep the KV should RLD finish first (DecodeAccepted.backfill)
     phase: AttemptPhase = AttemptPhase.DISPATCHED
+    served_by: Pipeline | None = None  # the pipeline that serves it, as far as it got: see `served_pipeline`
     prefill: PrefillDone | None = None  # P's report that every KV path is sent
     lost: set[Role] = field(default_factory=set)  # roles lost (and recovered from, or ignored)
     relay_watch: RelayWatch | None = None  # P holds MD's KV back until RLD no longer looks like finishing first
@@ -103,8 +104,18 @@ class Attempt:
     def request_id(self) -> str:
         return self.request.request_id
 
+    @property
+    def served_pipeline(self) -> Pipeline:
+        """The pipeline that serves it: the one it was dispatched on, but P-RLD while RLD finishes
+        alone (MD let go before the cut), which stays so once it is stopped."""
+        return self.served_by or self.pipeline
+
     def move(self, phase: AttemptPhase) -> None:
         self.phase = checked_move(_MOVES, self.phase, phase, f"attempt {self.request_id}")
+        if phase is AttemptPhase.RELAY_ALONE:
+            self.served_by = Pipeline.P_RLD
+        elif phase is AttemptPhase.CUT:
+            self.served_by = None  # RLD had handed off before it heard: MD serves after all
 
     def chunk_gap_s(self, tier: str, now: float) -> float | None:
         """A chunk from `tier` came at `now`: the time since its previous one (None: its first)."""

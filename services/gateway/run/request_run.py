@@ -145,6 +145,7 @@ class RequestRun:
         self.phase = RunPhase.RUNNING
         self.first: Attempt | None = None
         self.attempt: Attempt | None = None
+        self.attempts: list[Attempt] = []  # every attempt, in order (the current one last)
         self.migrations: list[Migration] = []
         self.failed_on: set[str] = set()  # instances an attempt failed on: later ones prefer others
         self.token_ids: list[int] = []  # what the client has, in order
@@ -173,8 +174,10 @@ class RequestRun:
 
     @property
     def pipeline(self) -> str:
-        """The pipeline the request was dispatched on (a migration may serve its tail on another)."""
-        return self.first.pipeline if self.first else ""
+        """The pipeline that serves the request now, and once it ended the one that served its end:
+        the current attempt's, P-RLD once RLD finishes alone. A pipeline the request named binds its
+        first dispatch only (docs/api.md, "The pipeline a response reports")."""
+        return self.attempt.served_pipeline if self.attempt else ""
 
     @property
     def decision(self) -> PipelineDecision | None:
@@ -214,6 +217,7 @@ class RequestRun:
 
     async def start(self) -> None:
         self.attempt = self.first = await self.host.dispatch(self, self.request, 0, set())
+        self.attempts.append(self.attempt)
 
     def deliver(self, event: Message) -> None:
         """One of its attempts' events, decoded: tokens() applies it in arrival order."""
@@ -423,6 +427,7 @@ class RequestRun:
             self.attempt = await self.host.dispatch(self, moved, len(streamed), set(self.failed_on))
         except PddError as exc:
             raise self._failed(PeerGone(f"{reason}; could not move the request to another instance: {exc}")) from exc
+        self.attempts.append(self.attempt)
         self.migrations.append(Migration(len(streamed), tier, preempted, self.attempt.pipeline, self.instances,
                                          moved.request_id))
         log.warning("%s: migrated after %d tokens to %s", self.request_id, len(streamed), self.instances)
@@ -445,6 +450,10 @@ class RequestRun:
         """What the client may want to know of how the request was served (the response's `pdd` field)."""
         return {
             "pipeline": self.pipeline,
+            "pipeline_requested": None if self.request.pipeline is None else str(self.request.pipeline),
+            "attempts": [{"attempt_id": a.request_id, "pipeline": str(a.served_pipeline),
+                          "after_tokens": a.output_offset,
+                          "instances": {str(role): iid for role, iid in a.instances.items()}} for a in self.attempts],
             "trace_id": self.trace_id,
             "cached_tokens": {"prefill": self.cached_tokens, "main": self.main_cached_tokens},
             "kv": {tier: {"cached_tokens": kv.cached_tokens, "kv_tokens": kv.kv_tokens, "kv_bytes": kv.kv_bytes,
