@@ -69,6 +69,22 @@ def flag_default(f: dataclasses.Field) -> Any:
     return default * spec.scale if spec.scale != 1 else default
 
 
+def default_of(cls: type, name: str) -> Any:
+    """The default of `cls`'s field `name`, for a tool that offers the same setting (tools/stack_config.py),
+    so the default stays written once, here."""
+    f = next((f for f in dataclasses.fields(cls) if f.name == name), None)
+    if f is None or f.default is dataclasses.MISSING:
+        raise AttributeError(f"{cls.__name__} has no field {name!r} with a default")
+    return f.default
+
+
+def flag_help(cls: type, name: str) -> str | None:
+    """The help of `cls`'s flag field `name`."""
+    f = next(f for f in flag_fields(cls) if f.name == name)
+    help_text: str | None = f.metadata[_FLAG].help
+    return help_text
+
+
 def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,
               exclude: tuple[str, ...] = (), help_prefix: str = "") -> None:
     """One option per flag field of `cls`; its default is the field's unless PDD_<NAME> is set."""
@@ -169,7 +185,7 @@ def _common(ns: argparse.Namespace, role: str) -> CommonConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = flag(DEFAULT_MODEL, "'smollm2' (default), 'tiny', or a local Hugging Face checkpoint path")
+    model: str = flag(DEFAULT_MODEL, f"'{DEFAULT_MODEL}' (default), 'tiny', or a local Hugging Face checkpoint path")
     dtype: str = flag(DType.FLOAT32.value, choices=choices(DType))
     device: str = flag("auto", "auto, cpu, cuda, cuda:N")
     torch_threads: int = flag(0, "intra-op threads for the engine thread; 0 leaves torch's default")

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
+from shared.config import ModelConfig, default_of, flag_help
 from shared.models import resolve_model, served_model_name
 from tools.bench.cli import add_bench_parser
 from tools.demo import DEFAULT_PIPELINE, DEFAULT_PROMPT, DemoError, DemoOptions, TierPainter, run_demo
@@ -183,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     model = commands.add_parser("model", help="model checkpoints")
     model_commands = model.add_subparsers(dest="model_command", required=True, metavar="COMMAND")
     prepare = model_commands.add_parser("prepare", help="convert or generate a model once; print its path")
-    prepare.add_argument("--model", default="smollm2", help="'smollm2', 'tiny', or a checkpoint path")
+    prepare.add_argument("--model", default=default_of(ModelConfig, "model"), help=flag_help(ModelConfig, "model"))
     prepare.set_defaults(func=cmd_model_prepare)
     return parser
 

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.config import CommonConfig, GatewayConfig, ModelConfig, PrefillConfig, default_of, flag_help
 from shared.names import AUTO, DType, Pipeline, Role, choices
 
 NATS = "nats"  # the only nats-server in one-dc; datacenter A's in two-dc
@@ -49,17 +50,18 @@ def default_torch_threads() -> int:
 
 @dataclass(frozen=True)
 class StackConfig:
-    model: str = "smollm2"
-    dtype: str = "float32"
-    device: str = "auto"
+    # what the stack passes on to its services defaults to the services' own defaults (shared/config.py)
+    model: str = default_of(ModelConfig, "model")
+    dtype: str = default_of(ModelConfig, "dtype")
+    device: str = default_of(ModelConfig, "device")
     nats_url: str | None = None  # None: start our own nats-server on a free loopback port
-    host: str = LOOPBACK
-    port: int = 8000  # 0: pick a free port
-    pipeline: str = AUTO  # the gateway's policy chooses per request, as its own --pipeline default
+    host: str = default_of(GatewayConfig, "host")
+    port: int = default_of(GatewayConfig, "port")  # 0: pick a free port
+    pipeline: str = default_of(GatewayConfig, "default_pipeline")  # auto: the gateway's policy chooses per request
     log_dir: Path = Path("logs")
-    log_level: str = "INFO"
+    log_level: str = default_of(CommonConfig, "log_level")
     torch_threads: int = field(default_factory=default_torch_threads)
-    chunk_tokens: int = 256
+    chunk_tokens: int = default_of(PrefillConfig, "chunk_tokens")
     extra_args: Mapping[str, Sequence[str]] = field(default_factory=dict)  # role (or "wan") -> more flags
     startup_timeout_s: float = 180.0
     stop_timeout_s: float = 10.0
@@ -94,7 +96,7 @@ class StackConfig:
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         """The flags of every command that starts a stack (`pdd up`, `pdd demo`, ...)."""
         d = StackConfig()
-        parser.add_argument("--model", default=d.model, help="'smollm2' (default), 'tiny', or a checkpoint path")
+        parser.add_argument("--model", default=d.model, help=flag_help(ModelConfig, "model"))
         parser.add_argument("--dtype", default=d.dtype, choices=choices(DType))
         parser.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:N")
         parser.add_argument("--host", default=d.host, help="address the gateway binds")
@@ -112,7 +114,7 @@ class StackConfig:
                             help="file holding the API key clients must send as a Bearer token (default: open)")
         parser.add_argument("--max-running-requests", type=int, default=None,
                             help="requests the gateway runs at once before new ones queue (default: the gateway's, "
-                                 "64; 0: no limit)")
+                                 f"{default_of(GatewayConfig, 'max_running_requests')}; 0: no limit)")
         parser.add_argument("--cpus", dest="cpu_affinity", type=parse_cpu_affinity, action="append", default=[],
                             metavar="NAME[,NAME]=CORES",
                             help="pin processes to cores, e.g. prefill=0 or relay,main=1-3 (names: "
@@ -122,7 +124,7 @@ class StackConfig:
         parser.add_argument("--torch-threads", type=int, default=d.torch_threads,
                             help=f"intra-op threads per model process (default here: {d.torch_threads})")
         parser.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens,
-                            help="prompt tokens per prefill forward pass")
+                            help=flag_help(PrefillConfig, "chunk_tokens"))
         parser.add_argument("--startup-timeout-s", type=float, default=d.startup_timeout_s)
         wan = parser.add_argument_group("two datacenters", "--topology two-dc puts MD and a second nats-server "
                                         "in datacenter B, behind the WAN emulator (docs/wan.md)")

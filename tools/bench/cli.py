@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.config import ModelConfig, flag_help
 from shared.models import DTYPES
 from tools.bench import paper, report
 from tools.bench.config import (
@@ -87,7 +88,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "against the paper; a flag given still wins over the preset")
 
     g = p.add_argument_group("stack")
-    g.add_argument("--model", default=s.model, help="'smollm2', 'tiny', or a checkpoint path")
+    g.add_argument("--model", default=s.model, help=flag_help(ModelConfig, "model"))
     g.add_argument("--dtype", default=s.dtype, choices=tuple(DTYPES))
     g.add_argument("--torch-threads", type=int, default=s.torch_threads, help="per model process; 0: launcher default")
     g.add_argument("--chunk-tokens", type=int, default=s.chunk_tokens)

@@ -7,6 +7,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.config import default_of
+from tools.stack_config import StackConfig
+
 DEFAULT_TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 WORKLOADS = ("agentic", "mooncake", "synthetic")
 
@@ -15,10 +18,10 @@ WORKLOADS = ("agentic", "mooncake", "synthetic")
 class StackOptions:
     """The parts of StackConfig every mode shares."""
 
-    model: str = "smollm2"
-    dtype: str = "float32"
+    model: str = default_of(StackConfig, "model")
+    dtype: str = default_of(StackConfig, "dtype")
     torch_threads: int = 0  # 0: the launcher's default (a third of the cores each)
-    chunk_tokens: int = 256
+    chunk_tokens: int = default_of(StackConfig, "chunk_tokens")
     cache_bytes: int | None = None  # P's cache and MD's DRC; None: the services' default
     startup_timeout_s: float = 300.0
     log_dir: Path = Path("logs/bench")
