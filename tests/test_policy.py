@@ -300,13 +300,13 @@ def test_routing_forgets_the_cache_of_a_main_found_dead() -> None:
     cache.insert(prompt, torch.zeros(1, 2, 1, len(prompt), 4))
     for md in ("md-a", "md-b"):
         registry.observe(beat(md))
-    main, hit = dispatcher._choose_main(prompt + [1], avoid=set())
+    main, hit = dispatcher.planner.choose_main(prompt + [1], avoid=set())
     assert main.heartbeat.instance_id == "md-a" and hit == 64, "routing follows the cached prefix"
     registry.done("md-a")
     registry.mark_gone("md-a")
     assert "md-a" not in index.instances()
     registry.observe(beat("md-a"))  # restarted under the same id, with an empty cache
-    main, hit = dispatcher._choose_main(prompt + [1], avoid=set())
+    main, hit = dispatcher.planner.choose_main(prompt + [1], avoid=set())
     assert hit == 0 and index.hit_tokens("md-a", prompt) == 0, "a dead MD's cache no longer attracts requests"
 
 
@@ -329,8 +329,36 @@ def test_prefill_is_routed_to_the_p_whose_cache_holds_the_prompt() -> None:
     cache.insert(prompt[:48], torch.zeros(1, 2, 1, 48, 4))
     for p in ("p-a", "p-b"):  # p-b wins a tie on load
         registry.observe(Heartbeat("prefill", p, "", 0, "m", 0, 0, time.time()))
-    prefill, hit = dispatcher._pick_cached(Role.PREFILL, prompt + [1], avoid=set())
+    prefill, hit = dispatcher.planner.pick_cached(Role.PREFILL, prompt + [1], avoid=set())
     assert (prefill.heartbeat.instance_id, hit) == ("p-a", 48), "P's own hit: what it will not compute"
+
+
+def test_a_migration_never_goes_back_to_the_instance_that_just_failed() -> None:
+    """A failed instance that answers pings is busy, and is preferred against but still taken; the
+    one a request just failed on is never taken back (issue 43: P's KV connections to the only MD
+    were refused, and the request migrated to that MD twice). With no other MD, RLD serves alone."""
+    import time
+
+    import pytest
+
+    from services.gateway.routing.dispatcher import Dispatcher
+    from services.gateway.routing.registry import InstanceRegistry
+    from shared.config import CommonConfig, GatewayConfig
+    from shared.errors import PeerGone
+    from shared.messages import Heartbeat
+    from shared.names import Role
+
+    registry = InstanceRegistry(stale_after_s=60)
+    registry.observe(Heartbeat("main", "md-a", "127.0.0.1", 1, "m", 0, 0, time.time()))
+    registry.mark_answered("md-a")
+    assert registry.pick(Role.MAIN, avoid={"md-a"}).heartbeat.instance_id == "md-a"
+    with pytest.raises(PeerGone, match="just failed"):
+        registry.pick(Role.MAIN, avoid={"md-a"}, exclude={"md-a"})
+    config = GatewayConfig(common=CommonConfig("nats://127.0.0.1:4222", "gw", "INFO", "", 1.0), model="tiny",
+                           host="127.0.0.1", port=0, default_pipeline="auto", request_timeout_s=10.0,
+                           token_timeout_s=5.0, max_body_bytes=1024, default_max_tokens=8)
+    dispatcher = Dispatcher(None, registry, config, CacheIndex())
+    assert dispatcher.planner.choose_main([1, 2, 3], set(), frozenset({"md-a"})) is None
 
 
 async def test_p_is_asked_to_cache_a_running_answer_every_step_but_the_last() -> None:

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from services.gateway.run.attempt import Attempt, AttemptPhase, GenerationRequest
-from services.gateway.run.request_run import RequestRun, RunPhase
+from services.gateway.run.request_run import KV_UNREACHABLE, RequestRun, RunPhase
 from shared import subjects
 from shared.config import CommonConfig, GatewayConfig
 from shared.errors import DeadlineExceeded, InstanceStopping, KVPreempted, PeerGone, RequestAborted
@@ -41,10 +41,13 @@ class FakeDispatch:
         self.unavailable_after = unavailable_after
         self.started: list[tuple[GenerationRequest, int, set[str]]] = []
         self.stopped: list[tuple[str, str]] = []
+        self.excluded: list[frozenset[str]] = []  # per migration: the instances it must not go to
         self.published: list[tuple[str, object]] = []
         self._is_alive, self._on_gone, self._on_lost, self._on_recovery = is_alive, on_gone, on_lost, on_recovery
 
-    async def dispatch(self, run, req, output_offset, avoid) -> Attempt:
+    async def dispatch(self, run, req, output_offset, avoid, exclude=frozenset()) -> Attempt:
+        if output_offset or self.started:
+            self.excluded.append(exclude)
         return await self.start(req, output_offset, avoid)
 
     async def start(self, req, output_offset, avoid) -> Attempt:
@@ -316,6 +319,42 @@ async def test_a_preempted_request_restarts_on_the_same_decoder_under_any_policy
     assert moved.prompt_ids == [*PROMPT, 100, 101] and offset == 2
     with pytest.raises(PeerGone):  # a real failure still meets the policy
         await feed(run, failed(run, Role.MAIN))
+
+
+# --- P cannot reach a decoder's KV port (issue 43) ------------------------------------------------
+
+
+def unreachable(run: RequestRun, path: Role) -> RequestFailed:
+    return RequestFailed(run.attempt.request_id, Role.PREFILL, KV_UNREACHABLE,
+                         f"KV send to {path} failed: decoder refused: 64 KV connections open", path=path)
+
+
+async def test_p_failing_to_reach_a_decoder_moves_the_request_off_it_without_calling_it_dead_or_failed():
+    events: list[str] = []
+    dispatch = FakeDispatch(Pipeline.P_MD, Pipeline.P_RLD, on_gone=events.append,
+                            on_lost=lambda tier, how: events.append(f"{tier} {how}"))
+    run, _ = await start_run(dispatch)
+    await feed(run, unreachable(run, Role.MAIN))
+    assert events == ["main unreachable"], "not gone, not failed: the path failed"
+    assert dispatch.excluded == [frozenset({"md-0"})], "the migration never goes back to it"
+    assert dispatch.started[1][2] == set(), "later attempts do not hold it against the decoder"
+    assert len(run.migrations) == 1 and run.pipeline == "p-rld"
+
+
+async def test_p_failing_to_reach_a_decoder_that_already_streams_changes_nothing():
+    dispatch = FakeDispatch(Pipeline.P_MD)
+    run, _ = await start_run(dispatch)
+    await feed(run, chunk(run, 0, [100], Role.MAIN), unreachable(run, Role.MAIN))
+    assert len(dispatch.started) == 1 and run.recovery is None and not run.attempt.lost
+    assert await feed(run, chunk(run, 1, [101], Role.MAIN)) == [(1, 101, "main")]
+
+
+async def test_a_migration_never_goes_back_to_the_instance_that_just_failed():
+    dispatch = FakeDispatch(Pipeline.P_MD)
+    run, _ = await start_run(dispatch)
+    await feed(run, failed(run, Role.MAIN, DeadlineExceeded.code))
+    await feed(run, failed(run, Role.MAIN, RequestAborted.code))  # it let the request go: not at fault
+    assert dispatch.excluded == [frozenset({"md-0"}), frozenset()]
 
 
 # --- what the response reports --------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Dispatches a request: picks its instances and pipeline, assigns the decoders, starts P; and
-hosts the request's run while it is in flight.
+"""Dispatches a request: the instances and pipeline its Planner (routing/planner.py) picks, the
+decoders assigned, P started; and hosts the request's run while it is in flight.
 
 The decoders are assigned first (so they expect the KV), then P is started. What happens after
 that, the merge of tokens and recovery from lost tiers, is the RequestRun's
@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import time
 from typing import TypeVar
 
@@ -23,14 +22,9 @@ from nats.aio.msg import Msg
 from services.gateway.routing.answer_warming import warm_due
 from services.gateway.routing.cache_index import CacheIndex
 from services.gateway.routing.cost_model import CostModel
+from services.gateway.routing.planner import Planner, predictions
 from services.gateway.routing.policy import (
-    NO_RELAY_S,
-    Estimate,
-    PipelineDecision,
-    PolicyConfig,
     RelayWatch,
-    choose_pipeline,
-    path_round_trip_s,
 )
 from services.gateway.routing.registry import Instance, InstanceRegistry, NoLiveInstance
 from services.gateway.run.attempt import Attempt, GenerationRequest
@@ -56,14 +50,13 @@ from shared.messages import (
     TokenChunk,
 )
 from shared.metrics import GatewayMetrics
-from shared.names import AUTO, AbortReason, Pipeline, Role
+from shared.names import AbortReason, Pipeline, Role
 
 log = logging.getLogger(__name__)
 Accepted = TypeVar("Accepted", PrefillAccepted, DecodeAccepted)
 
 ASSIGN_TIMEOUT_S = 5.0
 BUSY_ANSWERED_S = 1.0  # an instance that answered a ping this recently is alive, however slow its reply
-NO_MAIN_REASON = "no main decode reachable: RLD serves alone"
 
 
 class Dispatcher:
@@ -75,8 +68,7 @@ class Dispatcher:
         self.config = config
         self.cache_index = cache_index
         self.costs = CostModel()
-        self.policy = PolicyConfig(config.ttft_slo_s * config.relay_min_gain_fraction, config.wan_mbps_guess * 1e6 / 8,
-                                   config.prefill_tokens_per_s_guess)
+        self.planner = Planner(registry, config, cache_index, self.costs, self.metrics)
         self.tracer = tracing.tracer("pdd.gateway")
         # the attempts in flight, by attempt id, with the run their events go to (see listen, abort_orphans)
         self.active: dict[str, tuple[Attempt, RequestRun]] = {}
@@ -184,8 +176,9 @@ class Dispatcher:
             await self._warm_prefill(attempt, token_ids[attempt.output_offset:attempt.output_offset + due])
 
     async def dispatch(self, run: RequestRun, req: GenerationRequest, output_offset: int,
-                       avoid: set[str]) -> Attempt:
-        """One attempt, preferring instances not in `avoid` (those the request failed on). An
+                       avoid: set[str], exclude: frozenset[str] = frozenset()) -> Attempt:
+        """One attempt, preferring instances not in `avoid` (those the request failed on), and never on
+        one in `exclude` (the one it just failed on: with no other MD, RLD serves alone). An
         instance that fails to accept is avoided and the dispatch tried once more: one that
         nobody answers for, or that answers no ping either, is also skipped by other requests for
         a while; one that still answers pings is busy, and may be tried again. A role with no live
@@ -195,7 +188,7 @@ class Dispatcher:
         tries, waited = 0, False
         while True:
             try:
-                return await self._dispatch_once(run, req, output_offset, avoid)
+                return await self._dispatch_once(run, req, output_offset, avoid, exclude)
             except NoLiveInstance as exc:
                 if waited or not await self._wait_for_instance(req, exc.role):
                     raise
@@ -228,112 +221,12 @@ class Dispatcher:
                 "found a live" if alive else "still no live", role, time.monotonic() - started)
         return alive
 
-    def _choose_main(self, prompt_ids: list[int], avoid: set[str]) -> tuple[Instance, int] | None:
-        """Cache-aware: the MD holding the longest prefix of the prompt, weighed against its load;
-        None when no MD is reachable."""
-        try:
-            return self._pick_cached(Role.MAIN, prompt_ids, avoid)
-        except PeerGone:
-            return None
-
-    def _pick_cached(self, role: Role, prompt_ids: list[int], avoid: set[str]) -> tuple[Instance, int]:
-        """The instance of `role` whose cache holds the longest prefix of the prompt's KV, weighed
-        against its load, and that prefix's length."""
-        hits: dict[str, int] = {}
-
-        def score(instance: Instance) -> float:
-            hit = self.cache_index.hit_tokens(instance.heartbeat.instance_id, prompt_ids[:-1])
-            hits[instance.heartbeat.instance_id] = hit
-            return hit - self.config.route_load_penalty_tokens * instance.load
-
-        chosen = self.registry.pick(role, score, avoid)
-        return chosen, hits.get(chosen.heartbeat.instance_id, 0)
-
-    def _queue_s(self, instance: Instance, tier: Role) -> float:
-        """A decoder's wait before a new request's first token: what waits in its engine for room,
-        then one step (running requests share a batched step; they do not queue)."""
-        step = self.costs.step_s(tier) or self.config.decode_step_s_guess
-        return (instance.heartbeat.waiting + 1) * step
-
-    def _decide(self, req: GenerationRequest, prefill: Instance, prefill_hit: int, main: Instance, main_hit: int,
-                relay: Instance | None) -> tuple[PipelineDecision, RelayWatch | None]:
-        """The pipeline, and the watch on RLD when P is to hold MD's KV back."""
-        md = main.heartbeat
-        prefill_model = self.costs.prefill
-        round_trips = self.costs.round_trip_s
-        prefill_ping = round_trips.get(prefill.heartbeat.instance_id, 0.0)
-        estimate = Estimate(
-            link_bytes_per_s=self._link_bytes_per_s(prefill.heartbeat, md),
-            prefill_tokens_per_s=prefill_model.tokens_per_s if prefill_model else None,
-            main_queue_s=self._queue_s(main, Role.MAIN),
-            relay_queue_s=self._queue_s(relay, Role.RELAY) if relay is not None else NO_RELAY_S,
-            prefill_fixed_s=prefill_model.fixed_s if prefill_model else 0.0,
-            round_trip_s=path_round_trip_s(prefill_ping, round_trips.get(md.instance_id, 0.0)),
-            relay_round_trip_s=(path_round_trip_s(prefill_ping, round_trips.get(relay.heartbeat.instance_id, 0.0))
-                                if relay is not None else 0.0),
-            relay_step_s=self.costs.step_s(Role.RELAY) or self.config.decode_step_s_guess,
-            prefill_chunk_tokens=int(prefill.heartbeat.stats.get("chunk_tokens", 0)) or Estimate.prefill_chunk_tokens)
-        kv_bytes_per_token = int(prefill.heartbeat.stats.get("kv_bytes_per_token", 0))
-        decision = choose_pipeline(self.policy, len(req.prompt_ids), req.sampling.max_tokens, main_hit,
-                                   kv_bytes_per_token, estimate, prefill_hit)
-        default = None if self.config.default_pipeline == AUTO else Pipeline(self.config.default_pipeline)
-        forced = req.pipeline or default
-        if forced is not None and forced != decision.pipeline:
-            decision = dataclasses.replace(decision, pipeline=forced, reason="named by the request or gateway flag",
-                                           hold_main_kv=False)
-        if decision.hold_main_kv and (req.pipeline is not None or req.handoff_at is not None):
-            # a request that names its pipeline or its cut asks for MD to take over: RLD would wait for
-            # MD at the cut, and a held stream would reach MD only if RLD turned out slow
-            decision = dataclasses.replace(decision, hold_main_kv=False)
-        if not decision.hold_main_kv:
-            return decision, None
-        return decision, RelayWatch.of(decision, self.policy, estimate, req.sampling.max_tokens)
-
-    def _link_bytes_per_s(self, prefill: Heartbeat, main: Heartbeat) -> float | None:
-        """P to MD: the rate MD saw KV arrive at; before any, the rate P saw its writes complete at
-        (which buffers along the way inflate)."""
-        return (self.costs.link_bytes_per_s.get((prefill.instance_id, main.instance_id))
-                or prefill.link_bytes_per_s.get(f"{main.kv_host}:{main.kv_port}"))
-
-    def _plan(self, req: GenerationRequest,
-              avoid: set[str]) -> tuple[PipelineDecision, RelayWatch | None, dict[Role, Instance]]:
-        """The pipeline and an instance per role in it. With no MD reachable (all dead, or the WAN
-        cut), RLD serves alone (P-RLD), counted as its own decision, rather than nobody."""
-        prefill, prefill_hit = self._pick_cached(Role.PREFILL, req.prompt_ids, avoid)
-        chosen = self._choose_main(req.prompt_ids, avoid)
-        if chosen is None:
-            decision = PipelineDecision(Pipeline.P_RLD, NO_MAIN_REASON, 0, 0, 0.0, 0.0, 0.0, prefill_hit)
-            return decision, None, {Role.PREFILL: prefill,
-                                    Role.RELAY: self._pick_or_release(Role.RELAY, avoid, [prefill])}
-        main, main_hit = chosen
-        try:  # RLD's start is half of the prediction; none reachable: P-MD, or whatever the request names
-            relay: Instance | None = self._pick_cached(Role.RELAY, req.prompt_ids, avoid)[0]  # RLD caches too
-        except PeerGone:
-            relay = None
-        decision, watch = self._decide(req, prefill, prefill_hit, main, main_hit, relay)
-        instances = {Role.PREFILL: prefill, Role.MAIN: main}
-        if decision.pipeline.uses_relay:
-            instances[Role.RELAY] = relay or self._pick_or_release(Role.RELAY, avoid, [prefill, main])
-        elif relay is not None:
-            self.registry.done(relay.heartbeat.instance_id)
-        if not decision.pipeline.uses_main:
-            self.registry.done(instances.pop(Role.MAIN).heartbeat.instance_id)
-        return decision, watch, instances
-
-    def _pick_or_release(self, role: Role, avoid: set[str], picked: list[Instance]) -> Instance:
-        try:
-            return self.registry.pick(role, avoid=avoid)
-        except PeerGone:
-            for instance in picked:
-                self.registry.done(instance.heartbeat.instance_id)
-            raise
-
     async def _dispatch_once(self, run: RequestRun, req: GenerationRequest, output_offset: int,
-                             avoid: set[str]) -> Attempt:
+                             avoid: set[str], exclude: frozenset[str]) -> Attempt:
         if req.prefill_only:
-            return await self._dispatch_prefill_only(run, req, avoid)
+            return await self._dispatch_prefill_only(run, req, avoid, exclude)
         policy_started_ns = time.time_ns()
-        decision, watch, chosen = self._plan(req, avoid)
+        decision, watch, chosen = self.planner.plan(req, avoid, exclude)
         try:
             req = fit_kv_budget(req, [chosen[role] for role in (Role.MAIN, Role.RELAY) if role in chosen])
         except BadRequest:
@@ -341,7 +234,7 @@ class Dispatcher:
                 self.registry.done(instance.heartbeat.instance_id)
             raise
         pipeline = decision.pipeline
-        self._record_policy(req, chosen, decision, policy_started_ns)
+        self.planner.record_policy(req, chosen, decision, policy_started_ns)
         instances = {role: instance.heartbeat.instance_id for role, instance in chosen.items()}
         attempt = Attempt(req, output_offset, pipeline, decision, instances, relay_watch=watch)
         self.active[req.request_id] = (attempt, run)
@@ -350,7 +243,7 @@ class Dispatcher:
                 span.set_attributes({
                     "pdd.request_id": req.request_id, "pdd.pipeline": pipeline, "pdd.policy_reason": decision.reason,
                     "pdd.prompt_tokens": len(req.prompt_ids), "pdd.output_offset": output_offset,
-                    **_predictions(decision),
+                    **predictions(decision),
                     **{f"pdd.instance.{role}": iid for role, iid in attempt.instances.items()}})
                 headers = tracing.inject()
                 assign = DecodeAssign(
@@ -378,10 +271,11 @@ class Dispatcher:
             raise
         return attempt
 
-    async def _dispatch_prefill_only(self, run: RequestRun, req: GenerationRequest, avoid: set[str]) -> Attempt:
+    async def _dispatch_prefill_only(self, run: RequestRun, req: GenerationRequest, avoid: set[str],
+                                     exclude: frozenset[str]) -> Attempt:
         """P alone (max_tokens 0): no decoder, no KV path; P's PrefillDone ends the request. The least
         loaded P: its cache would not help, since P computes the whole prompt for its logprobs."""
-        prefill = self.registry.pick(Role.PREFILL, avoid=avoid)
+        prefill = self.registry.pick(Role.PREFILL, avoid=avoid, exclude=exclude)
         attempt = Attempt(req, 0, Pipeline.P, None, {Role.PREFILL: prefill.heartbeat.instance_id})
         self.active[req.request_id] = (attempt, run)
         try:
@@ -422,7 +316,7 @@ class Dispatcher:
         if share <= 0 or not attempt.main_backfill:
             return 0.0
         link = (attempt.decision.link_bytes_per_s if attempt.decision is not None else 0.0) \
-            or self.policy.default_link_bytes_per_s
+            or self.planner.policy.default_link_bytes_per_s
         return share * link
 
     async def abort_orphans(self, heartbeat: Heartbeat) -> None:
@@ -438,29 +332,6 @@ class Dispatcher:
             log.warning("%s still holds %s, which this gateway let go: aborting it again",
                         heartbeat.instance_id, request_id)
             await bus.publish(self.nc, subjects.abort(), Abort(request_id, "orphaned"))
-
-    def _record_policy(self, req: GenerationRequest, chosen: dict[Role, Instance], decision: PipelineDecision,
-                       started_ns: int) -> None:
-        """The `gateway.policy` span (the routing and pipeline choice, with what it was based on) and
-        the decision counter."""
-        self.metrics.pipeline_decisions.labels(decision.pipeline, decision.reason).inc()
-        prefill = chosen[Role.PREFILL].heartbeat
-        main = chosen.get(Role.MAIN)
-        link = self._link_bytes_per_s(prefill, main.heartbeat) if main is not None else None
-        tracing.record_span(self.tracer, "gateway.policy", started_ns, time.time_ns(), {
-            "pdd.request_id": req.request_id, "pdd.pipeline": decision.pipeline, "pdd.policy_reason": decision.reason,
-            "pdd.pipeline_requested": req.pipeline or self.config.default_pipeline,
-            "pdd.prompt_tokens": len(req.prompt_ids), "pdd.max_tokens": req.sampling.max_tokens,
-            **_predictions(decision),
-            "pdd.instance.prefill": prefill.instance_id,
-            **({"pdd.main_load": main.load, "pdd.instance.main": main.heartbeat.instance_id} if main else {}),
-            **({"pdd.link_bytes_per_s": link} if link is not None else {}),
-            **{f"pdd.{tier}_step_s": step for tier in (Role.RELAY, Role.MAIN)
-               if (step := self.costs.step_s(tier)) is not None},
-            **({"pdd.prefill_tokens_per_s": self.costs.prefill.tokens_per_s,
-                "pdd.prefill_fixed_s": self.costs.prefill.fixed_s} if self.costs.prefill else {}),
-            **({"pdd.main_round_trip_s": self.costs.round_trip_s[main.heartbeat.instance_id]}
-               if main is not None and main.heartbeat.instance_id in self.costs.round_trip_s else {})})
 
     async def _call(self, role: Role, instance: Instance, msg: PrefillRequest | DecodeAssign,
                     reply_type: type[Accepted], headers: dict[str, str]) -> Accepted:
@@ -494,13 +365,3 @@ def fit_kv_budget(req: GenerationRequest, decoders: list[Instance]) -> Generatio
                                                  f"{prompt_tokens} tokens does not fit the decoders' KV budget of "
                                                  f"{limit} positions (--kv-budget-tokens): at most {room}")
     return dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, max_tokens=room))
-
-
-def _predictions(decision: PipelineDecision) -> dict[str, float | int]:
-    """What the pipeline choice was based on, as span attributes (both decoders' predicted starts)."""
-    relay = decision.predicted_relay_ready_s
-    return {"pdd.prefill_hit_predicted": decision.prefill_hit_tokens,
-            "pdd.main_hit_predicted": decision.main_hit_tokens, "pdd.wan_bytes_predicted": decision.wan_bytes,
-            "pdd.main_ready_predicted_s": decision.predicted_main_ready_s,
-            **({"pdd.relay_ready_predicted_s": relay, "pdd.main_ready_budget_s": decision.budget_s}
-               if math.isfinite(relay) else {})}

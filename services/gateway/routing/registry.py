@@ -135,18 +135,22 @@ class InstanceRegistry:
         return instance is not None and self._heard(instance, self.clock())
 
     def pick(self, role: Role, score: Callable[[Instance], float] | None = None,
-             avoid: Collection[str] = ()) -> Instance:
+             avoid: Collection[str] = (), exclude: Collection[str] = ()) -> Instance:
         """The live instance of `role` with the best score (default: the least loaded).
 
         `avoid`: instances a request failed on. Another live instance is preferred; when there is
         none, one that still answers its pings is busy, not gone, and is picked again rather than
-        report the role empty. Raises NoLiveInstance when no instance of `role` is alive, PeerGone
-        when the only live ones failed this request and answer no ping."""
-        alive = self.alive(role)
+        report the role empty. `exclude`: never picked (the instance a request just failed on).
+        Raises NoLiveInstance when no instance of `role` is alive, PeerGone when the only live ones
+        are excluded, or failed this request and answer no ping."""
+        every = self.alive(role)
+        alive = [i for i in every if i.heartbeat.instance_id not in exclude]
         candidates = ([i for i in alive if i.heartbeat.instance_id not in avoid]
                       or [i for i in alive if self.answered_within(i.heartbeat.instance_id, self.stale_after_s)])
-        if not alive:
+        if not every:
             raise NoLiveInstance(role, f"no live {role} instance")
+        if not alive:
+            raise PeerGone(f"no live {role} instance but {', '.join(sorted(exclude))}, which just failed this request")
         if not candidates:
             raise PeerGone(f"no live {role} instance but {', '.join(i.heartbeat.instance_id for i in alive)}, "
                            "which failed this request and stopped answering pings")

@@ -95,6 +95,7 @@ class Attempt:
     served_by: Pipeline | None = None  # the pipeline that serves it, as far as it got: see `served_pipeline`
     prefill: PrefillDone | None = None  # P's report that every KV path is sent
     lost: set[Role] = field(default_factory=set)  # roles lost (and recovered from, or ignored)
+    streaming: set[str] = field(default_factory=set)  # tiers whose tokens of it came: each holds its KV
     relay_watch: RelayWatch | None = None  # P holds MD's KV back until RLD no longer looks like finishing first
     main_started: bool = False  # MD made a token or took over
     warmed_tokens: int = 0  # output tokens of this attempt P was last asked to cache

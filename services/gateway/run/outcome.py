@@ -26,6 +26,7 @@ class LossKind(enum.StrEnum):
     GONE = "gone"  # the instance is (the watchdog, or it said it is stopping)
     PREEMPTED = "preempted"  # its KV budget was full: load, not a fault
     FAILED = "failed"  # it failed the request and may be alive
+    UNREACHABLE = "unreachable"  # P could not reach its KV port: the path failed; it may be serving
 
 
 @dataclass(frozen=True)

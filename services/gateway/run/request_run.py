@@ -15,8 +15,12 @@ state for an attempt the gateway has let go.
 A tier is lost in one of two ways: its instance is gone (the watchdog: no heartbeat and no
 answered ping, or a ping nobody is there to answer; or its own RequestFailed says it is stopping,
 InstanceStopping, and the registry drops it at once), or it failed the request (RequestFailed)
-while alive. An instance that failed a request is only avoided while others serve its role; when
-it is the only one, and still answers pings, it is busy, not gone, and gets the request again.
+while alive. The migration that follows never goes back to the instance that just failed (with no
+other of its role, MD's place goes to RLD alone, and a request that needs the role fails); later
+attempts still prefer others to every instance an attempt failed on, and take one that answers
+pings when no other is left. P's report that it could not reach a decoder's KV port (KVUnreachable)
+blames the path, not the decoder: the decoder is neither marked gone nor remembered as failed,
+and a decoder already streaming the attempt holds its KV, so the report changes nothing for it.
 
 The run decides the cut (MD took over from RLD) once: `cut_index`, the output index of MD's first
 token, which the HTTP layer and the request telemetry read. The run's own lifecycle (RunPhase):
@@ -110,8 +114,9 @@ class RunHost(Protocol):
     """What a run asks of the gateway around it (services/gateway/routing/dispatcher.py)."""
 
     async def dispatch(self, run: RequestRun, req: GenerationRequest, output_offset: int,
-                       avoid: set[str]) -> Attempt:
-        """Start an attempt, preferring instances not in `avoid`; its events go to `run.deliver`."""
+                       avoid: set[str], exclude: frozenset[str] = frozenset()) -> Attempt:
+        """Start an attempt, preferring instances not in `avoid` and never on one in `exclude`; its
+        events go to `run.deliver`."""
 
     async def stop(self, attempt: Attempt, reason: CloseReason) -> None:
         """Idempotent per attempt: its events stop, its instances are freed, every tier drops it."""
@@ -130,6 +135,9 @@ class RunHost(Protocol):
 
     def count_recovery(self, action: Action) -> None: ...
 
+# P's RequestFailed code when it never got a KV connection to a decoder (KVUnreachable's, in
+# shared/errors.py as the KV-flood work lands: then this is KVUnreachable.code)
+KV_UNREACHABLE = "kv_unreachable"
 _FAILED_BY_CODE = {cls.code: cls for cls in (DeadlineExceeded, ProtocolError, PeerGone, InstanceStopping)}
 
 
@@ -312,6 +320,10 @@ class RequestRun:
                 instance = None
             if stopping and instance is not None:
                 self.host.instance_gone(instance)  # before the migration picks: it must not be picked again
+            if event.code == KV_UNREACHABLE and tier in attempt.streaming:
+                log.warning("%s: %s: %s streams, so its KV is in: nothing to recover", self.request_id,
+                            event.message, tier)
+                return []
             await self._on_tier_lost(tier, f"{event.tier}: {event.message}", event.code, gone=stopping)
         return []
 
@@ -342,6 +354,7 @@ class RequestRun:
         """The chunk's tokens that extend what the client has, in order; later ones wait for the gap."""
         attempt = self.current_attempt
         start = attempt.output_offset + chunk.start
+        attempt.streaming.add(chunk.tier)
         if chunk.tier == Role.MAIN:
             self._cut(attempt, start)
         logprobs = chunk.logprobs if chunk.logprobs and len(chunk.logprobs) == len(chunk.token_ids) else None
@@ -383,7 +396,8 @@ class RequestRun:
             return
         attempt.lost.add(role)
         preempted = code == KVPreempted.code and not gone
-        how = LossKind.GONE if gone else LossKind.PREEMPTED if preempted else LossKind.FAILED
+        how = (LossKind.GONE if gone else LossKind.PREEMPTED if preempted
+               else LossKind.UNREACHABLE if code == KV_UNREACHABLE else LossKind.FAILED)
         self.host.count_loss(role, how)
         failure_migrations = sum(1 for m in self.migrations if not m.preempted)
         state = RunState(attempt.pipeline, attempt.phase, frozenset(attempt.lost - {role}),
@@ -408,11 +422,15 @@ class RequestRun:
                 mode=HandoffMode.ONE_SHOT))
             self._cut(attempt, len(self.token_ids))
         else:
-            if code not in (RequestAborted.code, KVPreempted.code):  # it let the request go: not at fault
-                self.failed_on.add(attempt.instances[role])
-            await self._migrate(role, message, preempted)
+            excluded: frozenset[str] = frozenset()
+            if code not in (RequestAborted.code, KVPreempted.code):  # else it let the request go: not at fault
+                excluded = frozenset({attempt.instances[role]})
+                if how is not LossKind.UNREACHABLE:  # the path failed, not the decoder
+                    self.failed_on.add(attempt.instances[role])
+            await self._migrate(role, message, preempted, excluded)
 
-    async def _migrate(self, tier: Role, reason: str, preempted: bool = False) -> None:
+    async def _migrate(self, tier: Role, reason: str, preempted: bool = False,
+                       exclude: frozenset[str] = frozenset()) -> None:
         """Let the attempt go and dispatch the request again, continuing after the tokens streamed."""
         streamed = list(self.token_ids)
         await self._let_go(self.current_attempt, CloseReason.MIGRATED)
@@ -424,7 +442,7 @@ class RequestRun:
             pipeline=None, handoff_at=None, md_kv_delay_s=0.0, handoff_mode=None,
             prompt_logprobs=req.prompt_logprobs if self._prompt_missing else None)
         try:
-            self.attempt = await self.host.dispatch(self, moved, len(streamed), set(self.failed_on))
+            self.attempt = await self.host.dispatch(self, moved, len(streamed), set(self.failed_on), exclude)
         except PddError as exc:
             raise self._failed(PeerGone(f"{reason}; could not move the request to another instance: {exc}")) from exc
         self.attempts.append(self.attempt)
