@@ -32,6 +32,14 @@ class PeerGone(PddError):
     code = "peer_unavailable"
 
 
+class KVUnreachable(PeerGone):
+    """P could not get a KV connection to a decoder: the connect or the handshake failed or timed
+    out, or the decoder's connection caps were full. It names the path, not the instance: the
+    decoder may be alive and serving (its heartbeat says whether it is)."""
+
+    code = "kv_unreachable"
+
+
 class InstanceStopping(PeerGone):
     """The instance reporting it cannot go on (its engine thread died) and is stopping: it will serve
     nothing more, whatever its last heartbeat or ping answer said."""

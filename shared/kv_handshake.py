@@ -12,7 +12,7 @@ import orjson
 import torch
 
 from shared import kv_wire
-from shared.errors import IncompatiblePeer, PeerGone, ProtocolError
+from shared.errors import IncompatiblePeer, KVUnreachable, ProtocolError
 from shared.models import KVLayout
 
 
@@ -28,9 +28,10 @@ async def read_message(reader: asyncio.StreamReader) -> dict:
     return msg
 
 
-def refuse(writer: asyncio.StreamWriter, reason: str) -> None:
-    """The decoder's no, in place of its challenge or its welcome."""
-    writer.write(kv_wire.pack_message({"ok": False, "reason": reason}))
+def refuse(writer: asyncio.StreamWriter, reason: str, *, busy: bool = False) -> None:
+    """The decoder's no, in place of its welcome; `busy`: its connection caps are full (the sender is
+    fine and may try again), not the sender's hello that is wrong."""
+    writer.write(kv_wire.pack_message({"ok": False, "reason": reason, **({"busy": True} if busy else {})}))
 
 
 # --- the decoder's half --------------------------------------------------------------------------
@@ -68,10 +69,10 @@ async def welcome(writer: asyncio.StreamWriter, layout: KVLayout, secret: bytes 
 async def greet_receiver(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, layout: KVLayout,
                          wire_dtype: torch.dtype, secret: bytes | None, peer: str) -> float | None:
     """Answer the decoder's challenge and check its proof; returns its idle deadline (None: none).
-    PeerGone when it refuses for its connection caps, IncompatiblePeer for anything else."""
+    KVUnreachable when it refuses for its connection caps, IncompatiblePeer for anything else."""
     challenge = await read_message(reader)
-    if challenge.get("ok") is False:  # over the decoder's connection caps
-        raise PeerGone(f"decoder {peer} refused: {challenge.get('reason')}")
+    if challenge.get("ok") is False:  # a decoder before protocol 3's counting after authentication: caps full
+        raise KVUnreachable(f"decoder {peer} refused: {challenge.get('reason')}")
     if challenge.get("magic") != kv_wire.MAGIC.decode() or not isinstance(challenge.get("nonce"), str):
         raise IncompatiblePeer(f"{peer} is not a pdd KV receiver of protocol {kv_wire.PROTOCOL_VERSION}")
     nonce = kv_wire.new_nonce()
@@ -79,6 +80,8 @@ async def greet_receiver(reader: asyncio.StreamReader, writer: asyncio.StreamWri
         "nonce": nonce, "auth": kv_wire.proof(secret, challenge["nonce"], "sender")})))
     await writer.drain()
     reply = await read_message(reader)
+    if reply.get("ok") is False and reply.get("busy") is True:
+        raise KVUnreachable(f"decoder {peer} refused: {reply.get('reason')}")
     if not reply.get("ok"):
         raise IncompatiblePeer(f"decoder {peer} refused: {reply.get('reason')}")
     kv_wire.check_proof(secret, nonce, "receiver", reply.get("auth"))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from shared import kv_handshake, kv_wire
-from shared.errors import DeadlineExceeded, PddError, PeerGone
+from shared.errors import KVUnreachable, PddError, PeerGone
 from shared.kv_connection import KVConnection
 from shared.kv_transfer_state import TransferMachine, TransferState
 from shared.messages import KVTarget
@@ -32,6 +32,7 @@ MAX_FRAME_BYTES = kv_wire.FRAME_PAYLOAD_BYTES
 BACKGROUND_FRAME_BYTES = 128 * 1024  # a background frame: what a new transfer may find ahead of it on the link
 KEEPALIVE_MAX_S = 1.0  # an idle transfer speaks at least this often, whatever the stall timeout
 ABORT_FRAME_TIMEOUT_S = 1.0
+TRANSFER_FAILED = "kv_transfer_failed"  # a path that broke once connected (KVUnreachable.code: never connected)
 
 
 class KVSender:
@@ -117,9 +118,9 @@ class KVSender:
                 idle_s = await kv_handshake.greet_receiver(reader, writer, self.layout, self.wire_dtype, self.secret,
                                                            f"{host}:{port}")
         except TimeoutError as exc:
-            raise DeadlineExceeded(f"KV connect to {host}:{port} took over {self.connect_timeout_s}s") from exc
+            raise KVUnreachable(f"KV connect to {host}:{port} took over {self.connect_timeout_s}s") from exc
         except (OSError, asyncio.IncompleteReadError) as exc:
-            raise PeerGone(f"KV connect to {host}:{port} failed: {exc}") from exc
+            raise KVUnreachable(f"KV connect to {host}:{port} failed: {exc}") from exc
         except PddError:
             if writer is not None:
                 writer.close()
@@ -186,6 +187,7 @@ class TransferResult:
     kv_bytes: int
     send_s: float
     error: str | None
+    code: str = ""  # not done: RequestFailed's code, KVUnreachable.code when P never got a connection
 
 
 _END = object()
@@ -202,6 +204,7 @@ class OutgoingTransfer(TransferMachine):
         self.deadline_s = deadline_s
         self.kv_bytes = 0
         self.error: str | None = None
+        self.error_code = ""  # why it failed, as RequestFailed's code
         # 0: unbounded. P holds every chunk of the prompt anyway (for its prefix cache), so the
         # queue adds no memory; a bound would make the slowest path (the WAN) stall P's compute
         # and with it the fast path to RLD.
@@ -251,7 +254,9 @@ class OutgoingTransfer(TransferMachine):
         if not self.ended:
             await self._queue.put((_END, None, time.monotonic()))
         await self.wait_closed()
-        return TransferResult(self.target, self.state, self.kv_bytes, time.monotonic() - self._started, self.error)
+        code = "" if self.state is TransferState.DONE else self.error_code or TRANSFER_FAILED  # aborted: as failed
+        send_s = time.monotonic() - self._started
+        return TransferResult(self.target, self.state, self.kv_bytes, send_s, self.error, code)
 
     def abort(self, reason: str) -> None:
         """Stop sending; tell the decoder if the connection is healthy. Idempotent."""
@@ -287,10 +292,11 @@ class OutgoingTransfer(TransferMachine):
             raise
         except TimeoutError:
             self.sender.drop(host, port)  # a stuck link: the next transfer redials
-            self._fail(f"KV send to {self.target.role} not done within {self.deadline_s:.1f}s")
+            self._fail(f"KV send to {self.target.role} not done within {self.deadline_s:.1f}s", TRANSFER_FAILED)
         except (PddError, OSError) as exc:
             self.sender.drop(host, port)
-            self._fail(f"KV send to {self.target.role} failed: {exc}")
+            self._fail(f"KV send to {self.target.role} failed: {exc}",
+                       exc.code if isinstance(exc, KVUnreachable) else TRANSFER_FAILED)
         finally:
             self.sender.leave_foreground(self)
 
@@ -365,9 +371,10 @@ class OutgoingTransfer(TransferMachine):
         except TimeoutError as exc:
             raise PeerGone(f"KV link stalled: no byte left for {self.sender.stall_timeout_s:.1f}s") from exc
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str, code: str) -> None:
         if not self.ended:
             self.error = reason
+            self.error_code = code
             self._move(TransferState.FAILED)
         while not self._queue.empty():  # unblock a producer waiting in put()
             self._queue.get_nowait()

@@ -17,7 +17,7 @@ import torch
 
 from shared import kv_wire
 from shared.config import KVLimits
-from shared.errors import PeerGone
+from shared.errors import KVUnreachable
 from shared.kv_handshake import read_message
 from shared.kv_receiver import KVReceiver
 from shared.kv_sender import KVSender, OutgoingTransfer
@@ -276,7 +276,8 @@ async def test_a_connection_that_carries_an_open_transfer_is_not_idle(receiver: 
 
 
 async def test_connections_beyond_the_caps_are_refused(patient_receiver: KVReceiver) -> None:
-    """3 per peer address and 5 in all (LIMITS), handshaking connections included."""
+    """3 per peer address and 5 in all (LIMITS), counted once a connection has authenticated: the
+    refusal answers the hello, and P takes it as the decoder unreachable, not incompatible."""
     receiver = patient_receiver
     held = []
     for _ in range(LIMITS.max_connections_per_peer):
@@ -291,7 +292,7 @@ async def test_connections_beyond_the_caps_are_refused(patient_receiver: KVRecei
     assert reply["ok"] is False and "KV connections open," in reply["reason"]
     assert all(welcome["ok"] for _, _, welcome in held) and receiver.open_connections == LIMITS.max_connections
     sender = KVSender(LAYOUT, torch.float32, 2.0)
-    with pytest.raises(PeerGone, match="refused"):
+    with pytest.raises(KVUnreachable, match="refused"):
         await sender.connection("127.0.0.1", receiver.port)
     assert receiver.refused_connections == 3
     for _, writer, _ in held:
@@ -301,6 +302,34 @@ async def test_connections_beyond_the_caps_are_refused(patient_receiver: KVRecei
             await asyncio.sleep(0.01)
     await transfer(sender, receiver, torch.randn(4, 2, 2, 8, 16))
     await sender.close()
+
+
+async def test_unauthenticated_connections_have_their_own_budget_and_a_short_deadline() -> None:
+    """Strangers that never answer the challenge take no slot of the caps; past their own budget the
+    oldest is closed for a newer one, and each is closed at the handshake deadline. P gets through."""
+    receiver = KVReceiver(LAYOUT, torch.float32, limits=KVLimits(max_connections_per_peer=3), max_handshakes=4,
+                          handshake_timeout_s=1.0)
+    receiver.port = await receiver.start("127.0.0.1", 0)
+    try:
+        strangers = []
+        for _ in range(6):  # more than the per-peer cap (3) and the handshake budget (4)
+            strangers.append(await asyncio.open_connection("127.0.0.1", receiver.port))
+            await asyncio.sleep(0.02)
+        for reader, _ in strangers[:2]:  # the oldest, closed to make room
+            await closed_within(reader, 0.5)
+        assert receiver.handshake_evictions == 2 and receiver.handshaking_connections == 4
+        assert receiver.open_connections == 0
+        sender = KVSender(LAYOUT, torch.float32, 2.0)
+        await transfer(sender, receiver, torch.randn(4, 2, 2, 8, 16))
+        assert receiver.open_connections == 1 and receiver.handshake_evictions == 3
+        for reader, _ in strangers[3:]:  # the rest, at the handshake deadline
+            await closed_within(reader, 1.0 + 1.0)
+        assert receiver.handshaking_connections == 0 and receiver.open_connections == 1
+        await sender.close()
+        for _, writer in strangers:
+            writer.close()
+    finally:
+        await receiver.stop()
 
 
 async def transfer(sender: KVSender, receiver: KVReceiver, kv: torch.Tensor) -> None:

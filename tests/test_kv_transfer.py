@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from shared import kv_wire
-from shared.errors import DeadlineExceeded, IncompatiblePeer, ProtocolError, RequestAborted
+from shared.errors import DeadlineExceeded, IncompatiblePeer, KVUnreachable, ProtocolError, RequestAborted
 from shared.kv_receiver import KVReceiver
-from shared.kv_sender import KVSender, OutgoingTransfer
+from shared.kv_sender import TRANSFER_FAILED, KVSender, OutgoingTransfer
 from shared.kv_transfer_state import TransferState
 from shared.messages import KVTarget
 from shared.models import KVLayout
@@ -142,6 +142,26 @@ async def test_send_to_a_dead_port_fails_the_transfer() -> None:
     await transfer.put(0, torch.randn(4, 2, 2, 4, 16))
     result = await transfer.finish()
     assert result.state is TransferState.FAILED and "failed" in result.error
+    assert result.code == KVUnreachable.code, "P never reached the decoder: the path failed, not the decoder"
+
+
+async def test_a_path_that_breaks_once_connected_reports_the_transfer_failed() -> None:
+    receiver = KVReceiver(LAYOUT, torch.float32)
+    port = await receiver.start("127.0.0.1", 0)
+    sender = KVSender(LAYOUT, torch.float32, 2.0)
+    rid = _rid()
+    receiver.expect(rid, 0, 8)
+    transfer = OutgoingTransfer(sender, KVTarget(Role.MAIN, "127.0.0.1", port), rid, 0, deadline_s=5)
+    await transfer.put(0, torch.randn(4, 2, 2, 4, 16))
+    async with asyncio.timeout(5):
+        while transfer.state is TransferState.WAITING:
+            await asyncio.sleep(0.01)
+    await receiver.stop()  # the decoder goes away mid-transfer
+    await asyncio.sleep(0.1)
+    await transfer.put(4, torch.randn(4, 2, 2, 4, 16))
+    result = await transfer.finish()
+    assert result.state is TransferState.FAILED and result.code == TRANSFER_FAILED, result.error
+    await sender.close()
 
 
 async def test_parallel_connections_carry_one_transfer(receiver: KVReceiver) -> None:

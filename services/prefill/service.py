@@ -380,8 +380,7 @@ class PrefillService:
             {r.target.role: r.kv_bytes for r in results}, {r.target.role: r.send_s for r in results}))
         for result in failed:
             await bus.publish(self.nc, events, RequestFailed(
-                req.request_id, ROLE, "kv_transfer_failed", result.error or "KV transfer failed",
-                path=result.target.role))
+                req.request_id, ROLE, result.code, result.error or "KV transfer failed", path=result.target.role))
 
     async def _report_failure(self, job: PrefillJob, exc: Exception) -> None:
         """The prefill itself failed: stop every path and tell the gateway, unless only the report failed."""
