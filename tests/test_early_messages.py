@@ -2,6 +2,8 @@
 for its own request only; what no request claims is dropped after its time, and the store is bounded."""
 from __future__ import annotations
 
+import asyncio
+
 from services.decoder.early_messages import EarlyMessages
 
 
@@ -51,3 +53,14 @@ def test_the_store_is_bounded_oldest_first() -> None:
         early.keep(f"r{i}", replay(f"m{i}"))
     assert len(early) == 2 and early.expired == 1
     assert early.take("r0") == [] and names(early.take("r2")) == ["m2"]
+
+
+async def test_what_no_request_claims_leaves_on_an_idle_decoder_with_nothing_kept_or_taken() -> None:
+    """The heartbeat's early_messages gauge reads idle on an idle stack: expiry runs on a timer."""
+    early = EarlyMessages(ttl_s=0.05)
+    early.keep("late", replay("x"))
+    await asyncio.sleep(0.01)
+    early.keep("later", replay("y"))
+    assert len(early) == 2
+    await asyncio.sleep(0.5)  # no keep, no take
+    assert len(early) == 0 and early.expired == 2 and early.replayed == 0

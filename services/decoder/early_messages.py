@@ -9,10 +9,12 @@ gap in the tokens it adopts. So a role keeps such a message here (as the call th
 again) and the shell replays what was kept, in arrival order, once the request is registered.
 
 A message for a request that never comes (a late one, for a request already let go here) is
-dropped `ttl_s` after it came; at most `max_kept` are kept, the oldest dropped first.
+dropped `ttl_s` after it came, on a timer of the running event loop as well as whenever a message is
+kept or taken, so an idle decoder's gauge reads idle; at most `max_kept` are kept, the oldest dropped first.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
@@ -28,6 +30,7 @@ class EarlyMessages:
         self._kept: list[tuple[str, float, Replay]] = []  # (request id, kept at, replay), oldest first
         self.replayed = 0
         self.expired = 0
+        self._timer: asyncio.TimerHandle | None = None  # a loop callback, not a task: nothing to await or cancel
 
     def keep(self, request_id: str, replay: Replay) -> None:
         """`replay` handles the message again; called once the request is registered, if it is."""
@@ -36,6 +39,7 @@ class EarlyMessages:
             del self._kept[0]
             self.expired += 1
         self._kept.append((request_id, self.clock(), replay))
+        self._arm()
 
     def take(self, request_id: str) -> list[Replay]:
         """The request's kept messages, in arrival order; they are forgotten here."""
@@ -48,6 +52,21 @@ class EarlyMessages:
 
     def __len__(self) -> int:
         return len(self._kept)
+
+    def _arm(self) -> None:
+        """Expire the oldest when its time comes, though nothing is kept or taken by then."""
+        if self._timer is not None or not self._kept:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (plain logic): expiry on keep and take only
+            return
+        self._timer = loop.call_later(max(0.0, self._kept[0][1] + self.ttl_s - self.clock()), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._expire()
+        self._arm()
 
     def _expire(self) -> None:
         cutoff = self.clock() - self.ttl_s
