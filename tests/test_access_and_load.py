@@ -70,6 +70,19 @@ async def test_api_key_is_required_when_configured(stack, session, tiny_generate
     assert result.token_ids == tiny_generate(p, 8), "with the shared KV secret, P, RLD and MD interoperate"
 
 
+async def test_the_key_must_follow_the_bearer_scheme_written_in_any_case(stack):
+    """RFC 9110: the scheme is case-insensitive; without it, a bare key is not a credential."""
+    body = {"prompt": [1, 2, 3], "max_tokens": 1}
+    forms = [(API_KEY, 401), (f"Basic {API_KEY}", 401), (f"bearer {API_KEY}", 200), (f"BEARER  {API_KEY}", 200)]
+    async with aiohttp.ClientSession() as client:
+        for authorization, status in forms:
+            async with client.post(stack.api_url + "/v1/completions", json=body,
+                                   headers={"Authorization": authorization}) as resp:
+                assert resp.status == status, authorization
+                if status == 401:
+                    assert (await resp.json())["error"]["code"] == "invalid_api_key"
+
+
 async def test_kv_port_refuses_unauthenticated_garbage_and_truncated_peers(stack, session):
     beat = await main_heartbeat(stack.nats_url)
     host, port = beat.kv_host, beat.kv_port

@@ -32,6 +32,7 @@ from services.gateway.http.request_parsing import (
     parse_chat_request,
     parse_completion_request,
 )
+from services.gateway.observe.request_telemetry import tracing_middleware
 from services.gateway.run.request_run import GenerationRequest, TokenEvent
 from shared.config import CommonConfig, GatewayConfig
 from shared.errors import (
@@ -42,6 +43,7 @@ from shared.errors import (
     RequestAborted,
 )
 from shared.messages import HandoffStats
+from shared.metrics import GatewayMetrics
 from shared.models import load_tokenizer, resolve_model
 from shared.sampling import TokenLogprob
 
@@ -524,10 +526,13 @@ class FakeDispatcher:
 
 @contextlib.asynccontextmanager
 async def serve(dispatcher: FakeDispatcher, tokenizer, client_max_size: int = 1024**2,
-                handler_cancellation: bool = False, config: GatewayConfig = CONFIG):
-    """The app as the gateway runs it (aiohttp's TestServer would always cancel handlers on disconnect)."""
+                handler_cancellation: bool = False, config: GatewayConfig = CONFIG,
+                metrics: GatewayMetrics | None = None):
+    """The app as the gateway runs it (aiohttp's TestServer would always cancel handlers on disconnect);
+    with `metrics`, its tracing middleware counts the responses in them."""
     handlers = OpenAIHandlers(dispatcher, tokenizer, MODEL, config, CONTEXT)
-    app = web.Application(middlewares=[error_middleware], client_max_size=client_max_size)
+    middlewares = [error_middleware] if metrics is None else [error_middleware, tracing_middleware(metrics)]
+    app = web.Application(middlewares=middlewares, client_max_size=client_max_size)
     app.add_routes(handlers.routes())
     runner = web.AppRunner(app, handler_cancellation=handler_cancellation, shutdown_timeout=1.0)
     await runner.setup()
@@ -580,19 +585,20 @@ async def test_streamed_chat_marks_every_token_with_its_tier_and_the_handoff(tok
 
 
 async def test_no_chunk_is_streamed_before_the_first_token(tokenizer):
-    """A client times its first chunk as the TTFT: the role rides on the first token's chunk."""
+    """A client times its first chunk as the TTFT: the role rides on the first token's chunk. The
+    status line goes out with it too (a failure before it is an HTTP error)."""
     gate = asyncio.Event()
     dispatcher = FakeDispatcher(tokenizer, TEXT, finish="stop", first_token_gate=gate)
     body = {"model": MODEL, "messages": USER_HI, "stream": True}
-    async with serve(dispatcher, tokenizer) as url, aiohttp.ClientSession() as session, \
-            session.post(url + "/chat/completions", json=body) as r:
-        assert r.status == 200
-        with pytest.raises(TimeoutError):
-            async with asyncio.timeout(0.3):
-                await r.content.readuntil(b"\n\n")
+    async with serve(dispatcher, tokenizer) as url, aiohttp.ClientSession() as session:
+        response = asyncio.create_task(session.post(url + "/chat/completions", json=body))
+        await asyncio.sleep(0.3)
+        assert not response.done(), "nothing is sent before the first token"
         gate.set()
-        first = orjson.loads((await r.content.readuntil(b"\n\n")).removeprefix(b"data: "))
-        second = orjson.loads((await r.content.readuntil(b"\n\n")).removeprefix(b"data: "))
+        async with await response as r:
+            assert r.status == 200
+            first = orjson.loads((await r.content.readuntil(b"\n\n")).removeprefix(b"data: "))
+            second = orjson.loads((await r.content.readuntil(b"\n\n")).removeprefix(b"data: "))
     first_text = tokenizer.decode(dispatcher.token_ids[:1])
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": first_text}
     assert first["pdd"]["tokens"][0]["index"] == 0
@@ -723,6 +729,35 @@ async def test_no_instance_is_503_with_retry_after(tokenizer):
             await client.completions.create(model=MODEL, prompt="x")
     assert info.value.status_code == 503 and info.value.response.headers["Retry-After"] == "1"
     assert info.value.body["code"] == "peer_unavailable"
+
+
+async def test_a_stream_that_fails_before_its_first_token_is_a_503_with_retry_after(tokenizer):
+    """Nothing of the answer was sent: the failure is the response's status, as it is unstreamed."""
+    dispatcher = FakeDispatcher(tokenizer, TEXT, fail_at=0)
+    async with serve(dispatcher, tokenizer) as url, openai_client(url) as client:
+        with pytest.raises(openai.InternalServerError) as info:
+            await client.chat.completions.create(model=MODEL, messages=USER_HI, stream=True)
+    assert info.value.status_code == 503 and info.value.response.headers["Retry-After"] == "1"
+    assert info.value.body["code"] == "peer_unavailable" and info.value.body["message"] == "main decode went away"
+    assert dispatcher.runs[0].close_reasons == ["error"]
+
+
+async def test_the_response_metric_counts_a_failed_stream_by_its_errors_status(tokenizer):
+    metrics = GatewayMetrics()
+    dispatcher = FakeDispatcher(tokenizer, TEXT, fail_at=3)
+    async with serve(dispatcher, tokenizer, metrics=metrics) as url, openai_client(url) as client:
+        with pytest.raises(openai.InternalServerError):
+            await client.chat.completions.create(model=MODEL, messages=USER_HI)  # unstreamed: a 503
+        stream = await client.chat.completions.create(model=MODEL, messages=USER_HI, stream=True)
+        with pytest.raises(openai.APIError, match="main decode went away"):
+            async for _ in stream:
+                pass
+
+    def responses(status: str) -> float | None:
+        return metrics.registry.get_sample_value("pdd_http_responses_total",
+                                                 {"route": "/v1/chat/completions", "status": status})
+
+    assert (responses("200"), responses("503")) == (None, 2.0)
 
 
 async def test_unknown_model_is_404_through_the_client(tokenizer):

@@ -64,8 +64,9 @@ class Admission:
     def check_key(self, request: web.Request) -> None:
         if self.api_key is None:
             return
-        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+        # The scheme is required and case-insensitive (RFC 9110, section 11.1): "bearer <key>" is good, "<key>" is not.
+        scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
             raise Unauthorized("a valid API key is required: Authorization: Bearer <key>")
 
     def retry_after_s(self) -> int:

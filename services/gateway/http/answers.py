@@ -1,11 +1,13 @@
 """Writing a request's answer from its choices: whole, as one JSON object, or streamed, a chunk
-per step over SSE with a failure after the status line sent as an error event.
+per step over SSE, its status line sent with the first token, so that a failure before it is an
+HTTP error and only one after it an error event.
 
 Owns the response; the steps are choices.py's, the objects' shapes response_shapes.py's.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 
 import orjson
@@ -13,10 +15,11 @@ from aiohttp import web
 from opentelemetry import trace
 
 from services.gateway.http import sse
-from services.gateway.http.choices import Choices
+from services.gateway.http.choices import Choice, Choices
 from services.gateway.http.client_watch import client_gone
 from services.gateway.http.generation import Step
 from services.gateway.http.http_errors import error_payload
+from services.gateway.observe.request_telemetry import STREAM_FAILED_STATUS
 from shared import tracing
 from shared.errors import PddError
 
@@ -47,35 +50,49 @@ async def whole_answer(request: web.Request, choices: Choices) -> web.StreamResp
 
 
 async def streamed_answer(request: web.Request, choices: Choices) -> web.StreamResponse:
-    """A chunk per step as it comes, each choice's final chunk, the usage chunk when asked for, [DONE]."""
+    """A chunk per step as it comes, each choice's final chunk, the usage chunk when asked for, [DONE].
+
+    The status line goes out with the first token: a failure before it (no P to serve the request,
+    say) is raised, and answered with its own status like any other error. After it, the error is an
+    SSE event, and the response metric counts it under the status it would have had."""
     request_id = choices.request_id
     response = web.StreamResponse(headers={**sse.HEADERS, "X-Request-Id": request_id})
-    try:
-        await response.prepare(request)
+    async with contextlib.aclosing(choices.steps()) as steps:
+        first = await anext(steps)
         try:
-            async for choice, step in choices.steps():
-                generation = choice.generation
-                delta = None if choice.tool_deltas is None else choice.tool_deltas.delta(step)
-                await sse.send(response, sse.event(choice.shapes.token_chunk(step, generation.run.pipeline, delta)))
-                if step.finish_reason is not None:
-                    finish_reason = (step.finish_reason if choice.tool_deltas is None
-                                     else choice.tool_deltas.finish_reason(step.finish_reason))
-                    await sse.send(response, sse.event(choice.shapes.final_chunk(
-                        finish_reason, generation.summary(), generation.take_handoff())))
-            if choices.shapes.include_usage:
-                await sse.send(response, sse.event(choices.shapes.usage_chunk(choices.usage())))
-        except sse.ClientGone:
-            raise
-        except Exception as exc:  # the status line is sent: the error travels as an SSE event
-            if not isinstance(exc, PddError):
-                log.exception("%s: unhandled error while streaming", request_id)
-            else:
-                log.warning("%s: failed while streaming: %s: %s", request_id, type(exc).__name__, exc)
-            tracing.record_error(trace.get_current_span(), exc)
-            await sse.send(response, sse.event(error_payload(exc)[1]))
-        await sse.send(response, sse.DONE)
-        await response.write_eof()
-    except (sse.ClientGone, ConnectionError):
-        choices.set_close_reason("client_disconnected")
-        log.info("%s: client disconnected", request_id)
+            await response.prepare(request)
+            try:
+                await _send_step(response, *first)
+                async for choice, step in steps:
+                    await _send_step(response, choice, step)
+                if choices.shapes.include_usage:
+                    await sse.send(response, sse.event(choices.shapes.usage_chunk(choices.usage())))
+            except sse.ClientGone:
+                raise
+            except Exception as exc:  # the status line is sent: the error travels as an SSE event
+                if not isinstance(exc, PddError):
+                    log.exception("%s: unhandled error while streaming", request_id)
+                else:
+                    log.warning("%s: failed while streaming: %s: %s", request_id, type(exc).__name__, exc)
+                tracing.record_error(trace.get_current_span(), exc)
+                status, body = error_payload(exc)
+                request[STREAM_FAILED_STATUS] = status
+                await sse.send(response, sse.event(body))
+            await sse.send(response, sse.DONE)
+            await response.write_eof()
+        except (sse.ClientGone, ConnectionError):
+            choices.set_close_reason("client_disconnected")
+            log.info("%s: client disconnected", request_id)
     return response
+
+
+async def _send_step(response: web.StreamResponse, choice: Choice, step: Step) -> None:
+    """The step's chunk, and its choice's final chunk when the step ends it."""
+    generation = choice.generation
+    delta = None if choice.tool_deltas is None else choice.tool_deltas.delta(step)
+    await sse.send(response, sse.event(choice.shapes.token_chunk(step, generation.run.pipeline, delta)))
+    if step.finish_reason is not None:
+        finish_reason = (step.finish_reason if choice.tool_deltas is None
+                         else choice.tool_deltas.finish_reason(step.finish_reason))
+        await sse.send(response, sse.event(choice.shapes.final_chunk(finish_reason, generation.summary(),
+                                                                     generation.take_handoff())))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -100,7 +100,7 @@ class Choices:
         self.started.append(choice)
         return choice
 
-    async def steps(self) -> AsyncIterator[tuple[Choice, Step]]:
+    async def steps(self) -> AsyncGenerator[tuple[Choice, Step], None]:
         """Every choice's steps as they come, each choice's in order, until all have finished."""
         queue: asyncio.Queue[tuple[Choice, Step | BaseException]] = asyncio.Queue()
         self._read(self.started[0], queue)

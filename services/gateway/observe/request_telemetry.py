@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 
 TRACED_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
 STARTED_AT = web.RequestKey("pdd_started_at", float)  # time.monotonic() when the request came in
+# A stream that failed after its status line (200) was sent: the status its error maps to, which the
+# response metric counts it under (its SSE error event carries the error's code)
+STREAM_FAILED_STATUS = web.RequestKey("pdd_stream_failed_status", int)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -74,9 +77,10 @@ def tracing_middleware(metrics: GatewayMetrics) -> Middleware:
                 metrics.http_responses.labels(route, str(status)).inc()
                 raise
             span.set_attribute("http.response.status_code", response.status)
-            if response.status >= 500:
-                span.set_status(Status(StatusCode.ERROR, f"HTTP {response.status}"))
-            metrics.http_responses.labels(route, str(response.status)).inc()
+            status = request.get(STREAM_FAILED_STATUS, response.status)
+            if status >= 500:
+                span.set_status(Status(StatusCode.ERROR, f"HTTP {status}"))
+            metrics.http_responses.labels(route, str(status)).inc()
             return response
 
     return middleware
