@@ -1,6 +1,7 @@
 """What every pdd service does the same way: logging, signals, heartbeats, ordered shutdown.
 
-A service object has `async start()`, `async stop()` and a `heartbeat()` that describes it;
+A service object has `async start()` and `async stop()`, and runs `heartbeat_loop` with a function that
+describes it as a `Heartbeat` (published every interval and the answer to liveness pings);
 `serve` sets up logging and tracing and runs it; `run_service` starts it, waits for SIGINT/SIGTERM (signals only
 set an Event; a second one forces exit) or for the service to say it cannot go on (`ServiceFailure`: its engine
 thread died), then stops it within a deadline; a failed service exits with status 1, so whatever supervises it
