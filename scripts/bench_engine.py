@@ -78,12 +78,7 @@ async def serve(engine: BatchEngine, runner: ModelRunner, key: str, prompt_ids: 
             prefilled.set()
         if go is not None:
             await go.wait()
-        feed = [prompt_ids[-1]]
-        while True:
-            token, finish_reason = await engine.step(seq, feed)
-            if finish_reason is not None:
-                return seq.output_ids
-            feed = [token]
+        return await engine.decode(seq, [prompt_ids[-1]])
     finally:
         engine.release(key)
 

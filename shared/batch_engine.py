@@ -27,11 +27,12 @@ from shared.grammar import Constraint, GrammarCompiler, GrammarDiverged, Grammar
 from shared.kv_budget import Admission, KVBudget
 from shared.model_runner import DecodeSequence, ModelRunner, PackedRow, SequenceKV
 from shared.sampling import sample_rows, score_tokens
-from shared.scheduler import Row, Scheduler, Scoring, Work
+from shared.scheduler import Row, Scheduler, Scoring, StepHolds, Work
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 StepResult = tuple[int, "str | None"]
+Settled = tuple[asyncio.Future, object, "BaseException | None"]  # a future, its result or its error
 
 
 class NotAdmitted(PddError):
@@ -48,14 +49,15 @@ class _Command:
     key: str = ""
 
 
-class _KVCount:
-    """A count the KV budget keeps, read as the engine's own (as the stats name it)."""
+class _Count:
+    """A count one of the engine's parts keeps, read as the engine's own (as the stats name it)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, part: str, name: str) -> None:
+        self.part = part
         self.name = name
 
     def __get__(self, engine: BatchEngine, owner: type) -> int:
-        count: int = getattr(engine.kv_budget, self.name)
+        count: int = getattr(getattr(engine, self.part), self.name)
         return count
 
 
@@ -85,12 +87,7 @@ class BatchEngine:
         self.rows = 0  # requests served, summed over steps
         self.forward_s = 0.0  # time spent in forwards and sampling
         self.batch_sizes: deque[int] = deque(maxlen=256)  # requests per recent step
-        self._due: dict[str, float] = {}  # key -> when its announced work should arrive (time.monotonic)
-        self._step_s = 0.0  # a moving average of a step's forward, for how long a hold may last
-        self.holds = 0  # steps held back for announced work
-        self.holds_met = 0  # holds the announced work arrived in
-        self.announced = 0  # work announced for an admitted request (`expect`)
-        self.announced_late = 0  # announced work that had not come by its due time and grace
+        self.step_holds = StepHolds(config)
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
         self._thread.start()
 
@@ -110,10 +107,14 @@ class BatchEngine:
         """Work not yet started: requests waiting for KV budget and steps waiting for a forward."""
         return len(self.kv_budget.waiting) + len(self._work) + len(self._incoming)
 
-    kv_used_tokens = _KVCount("used_tokens")  # what admitted requests allocated
-    frees = _KVCount("frees")
-    grows = _KVCount("grows")
-    preemptions = _KVCount("preemptions")
+    kv_used_tokens = _Count("kv_budget", "used_tokens")  # what admitted requests allocated
+    frees = _Count("kv_budget", "frees")
+    grows = _Count("kv_budget", "grows")
+    preemptions = _Count("kv_budget", "preemptions")
+    holds = _Count("step_holds", "holds")
+    holds_met = _Count("step_holds", "holds_met")
+    announced = _Count("step_holds", "announced")
+    announced_late = _Count("step_holds", "announced_late")
 
     def stats(self) -> dict[str, int | float]:
         """For the heartbeat: kv_used_tokens is what admitted requests allocated, kv_filled_tokens what they hold."""
@@ -184,6 +185,15 @@ class BatchEngine:
         """Feed tokens and sample the next one into seq.output_ids."""
         return await self.submit(seq.request_id, feed_ids, sample=True)
 
+    async def decode(self, seq: DecodeSequence, feed_ids: list[int]) -> list[int]:
+        """Step from `feed_ids` until the request finishes: its output ids (tests and benchmarks; a
+        decoder streams each token as it comes)."""
+        while True:
+            token, finish_reason = await self.step(seq, feed_ids)
+            if finish_reason is not None:
+                return seq.output_ids
+            feed_ids = [token]
+
     async def extend(self, key: str, feed_ids: list[int]) -> None:
         """Feed tokens without sampling (a Catch-Up chunk, a prefill chunk)."""
         if feed_ids:
@@ -199,8 +209,7 @@ class BatchEngine:
 
         def announce() -> None:
             if key in self.kv_budget.slots:
-                self._due[key] = due
-                self.announced += 1
+                self.step_holds.announce(key, due)
 
         try:
             self._command(announce, None, "expect", key)
@@ -317,62 +326,38 @@ class BatchEngine:
                 commands, self._commands = self._commands, deque()
                 self._work += self._incoming
                 self._incoming = []
-            for command in commands:
-                started_ns = time.time_ns()
-                try:
-                    command.fn()
-                except Exception:  # a command settles its own future; one that fails must not stop the engine
-                    log.exception("engine command failed")
-                self._record("command", t_ns=started_ns, end_ns=time.time_ns(), label=command.label, key=command.key)
-            if commands:
-                self.kv_budget.admit()
+            self._run_commands(commands)
             now = time.monotonic()
             have_work = bool(self._work)
             missing = {key for key in self._expected - {w.key for w in self._work} if key in self.kv_budget.slots}
             if missing and now >= deadline:
                 self._expected.clear()
                 missing = set()
-            hold_until = self._hold_until(now, held_since) if have_work else None
+            arrived = {w.key for w in self._work if w.sample}  # the announced work samples (MD's cut)
+            hold_until = self.step_holds.until(now, held_since, arrived, self.kv_budget.slots) if have_work else None
             if have_work and not missing and hold_until is None:
                 if held_since is not None:
-                    met = bool(held_for & {w.key for w in self._work if w.sample})
-                    self.holds += 1
-                    self.holds_met += met
+                    met = self.step_holds.ended(held_for, arrived)
                     self._record("hold", t_ns=held_since_ns, end_ns=time.time_ns(), keys=sorted(held_for), met=met)
                 return True
             if hold_until is not None and held_since is None:
-                held_since, held_since_ns, held_for = now, time.time_ns(), set(self._due)
+                held_since, held_since_ns, held_for = now, time.time_ns(), set(self.step_holds.due)
             wake_at = min(deadline if missing else float("inf"), hold_until or float("inf"))
             with self._cond:
                 if not (self._commands or self._incoming or self._stopping):
                     self._cond.wait(wake_at - now if have_work or missing else None)
 
-    def _hold_until(self, now: float, held_since: float | None) -> float | None:
-        """Until when to hold the next step for announced work not yet here; None: do not hold.
-
-        Work is due at the time `expect` gave, give or take a grace (`hold_grace_s`, by default a
-        quarter of a step, at least `gather_s`: the announcer's clock is an estimate, and a hop
-        follows it). A hold lasts at most `hold_steps` of a step from when the engine was first
-        ready, is not begun for work due later than that, and ends when the work arrives or its
-        grace is over; work that missed its hold joins a later step without another hold and counts
-        in `announced_late`."""
-        arrived = {w.key for w in self._work if w.sample}  # the announced work samples (MD's cut)
-        for key in [k for k in self._due if k in arrived or k not in self.kv_budget.slots]:
-            del self._due[key]  # it came (or the request is gone): nothing left to hold for
-        limit = self.config.hold_steps * self._step_s
-        if not self._due or limit <= 0:
-            return None
-        reach = (held_since if held_since is not None else now) + limit
-        grace = self.config.hold_grace_s or max(0.25 * self._step_s, self.config.gather_s)
-        until = max((due + grace for due in self._due.values() if due <= reach), default=None)
-        if until is not None:
-            until = min(until, reach)
-        late = [key for key, due in self._due.items()
-                if due + grace <= now or (until is not None and until <= now and due <= reach)]
-        for key in late:
-            del self._due[key]  # late, or its hold is over: it joins a later step
-        self.announced_late += len(late)
-        return until if until is not None and until > now else None
+    def _run_commands(self, commands: deque[_Command]) -> None:
+        """What the asyncio side asked for between steps (open, fill, release, ...); then admit."""
+        for command in commands:
+            started_ns = time.time_ns()
+            try:
+                command.fn()
+            except Exception:  # a command settles its own future; one that fails must not stop the engine
+                log.exception("engine command failed")
+            self._record("command", t_ns=started_ns, end_ns=time.time_ns(), label=command.label, key=command.key)
+        if commands:
+            self.kv_budget.admit()
 
     def _prepare(self, admission: Admission) -> None:
         """Before an admission's KV is allocated: its grammar, if it has a constraint."""
@@ -391,7 +376,7 @@ class BatchEngine:
         for future in withdrawn:
             notify(future, exc=exc, cancel=exc is None)
         self._expected.discard(key)
-        self._due.pop(key, None)
+        self.step_holds.due.pop(key, None)
 
     def _make_room(self, batch: list[Row]) -> list[Row]:
         return self.kv_budget.make_room(batch)
@@ -423,22 +408,32 @@ class BatchEngine:
 
     def _run(self, batch: list[Row]) -> None:
         """One packed forward over the batch; then sample, and settle the work that is complete."""
-        rows = [PackedRow(self.kv_budget.slots[w.key].kv, w.feed_ids[w.fed:w.fed + take], w.sample and take == w.left,
-                          every_logit=w.score is not None) for w, take in batch]
-        scoring, sampling_rows = self._logit_rows(batch)
         started_ns = time.time_ns()
         for work, _ in batch:
             work.started_ns = work.started_ns or started_ns
         t0 = time.perf_counter()
         cpu0_ns = time.thread_time_ns() if self.timeline is not None else 0
+        settled = self._forward(batch)
+        self._work = [w for w in self._work if w.left]
+        if settled is None:
+            return
+        self._count_step(batch, time.perf_counter() - t0, started_ns, cpu0_ns)
+        for future, outcome, error in settled:
+            notify(future, outcome, error)
+
+    def _forward(self, batch: list[Row]) -> list[Settled] | None:
+        """The forward, scoring and sampling: what to settle; None if the forward failed (and failed
+        the step's work)."""
+        rows = [PackedRow(self.kv_budget.slots[w.key].kv, w.feed_ids[w.fed:w.fed + take], w.sample and take == w.left,
+                          every_logit=w.score is not None) for w, take in batch]
+        scoring, sampling_rows = self._logit_rows(batch)
         try:
             logits = self.runner.forward_packed(rows)
         except Exception as exc:
             log.exception("forward over %d requests failed", len(batch))
             for work, _ in batch:
                 self._drop(work, exc)
-            self._work = [w for w in self._work if w.left]
-            return
+            return None
         self._expected = set()
         failed = self._score(scoring, logits)
         for work, take in batch:
@@ -458,10 +453,11 @@ class BatchEngine:
                 kv = self.kv_budget.slots[work.key].kv
                 result = kv.slice(kv.length - len(work.feed_ids), kv.length).to("cpu") if work.return_kv else None
                 settled.append((work.future, result if work.score is None else (result, work.scored), None))
-        self._work = [w for w in self._work if w.left]
-        forward_s = time.perf_counter() - t0
+        return settled
+
+    def _count_step(self, batch: list[Row], forward_s: float, started_ns: int, cpu0_ns: int) -> None:
         self.forward_s += forward_s
-        self._step_s = forward_s if not self._step_s else 0.8 * self._step_s + 0.2 * forward_s
+        self.step_holds.stepped(forward_s)
         self.steps += 1
         self.rows += len(batch)
         self.batch_sizes.append(len(batch))
@@ -469,8 +465,6 @@ class BatchEngine:
             self.timeline.write("step", t_ns=started_ns, end_ns=time.time_ns(), step=self.steps,
                                 cpu_ns=time.thread_time_ns() - cpu0_ns,
                                 rows=[[w.key, take, w.sample and not w.left, w.submitted_ns] for w, take in batch])
-        for future, outcome, error in settled:
-            notify(future, outcome, error)
 
     @staticmethod
     def _logit_rows(batch: list[Row]) -> tuple[list[tuple[Work, int, int]], list[int]]:
@@ -501,8 +495,7 @@ class BatchEngine:
                 failed[work] = exc
         return failed
 
-    def _sample(self, sampled: list[Work], logits: torch.Tensor) -> list[tuple[asyncio.Future, object,
-                                                                                 BaseException | None]]:
+    def _sample(self, sampled: list[Work], logits: torch.Tensor) -> list[Settled]:
         """Pick each sampling row's token (its grammar synced and applied first): what to settle."""
         seqs = [self.kv_budget.slots[w.key].seq for w in sampled]
         failed: dict[int, PddError] = {}
@@ -524,7 +517,7 @@ class BatchEngine:
             if self.grammars is not None:
                 self.grammars.apply_masks(ready_logits, list(grammars.values()))
             picks = dict(zip(ready, sample_rows(ready_logits, [ready_seqs[i].sampling_row() for i in ready])))
-        settled: list[tuple[asyncio.Future, object, BaseException | None]] = []
+        settled: list[Settled] = []
         for i, work in enumerate(sampled):
             if i in failed:
                 settled.append((work.future, None, failed[i]))

@@ -1,13 +1,14 @@
-"""The batch engine's scheduler: which queued work runs in the next step, and how many tokens of each.
+"""The batch engine's scheduler: which queued work runs in the next step, and how many tokens of each
+(`Scheduler`); and how long the next step waits for work announced to arrive (`StepHolds`).
 
-Pure decisions over the queue and what each admitted request holds: it allocates nothing, runs
-nothing and settles no future (the engine, shared/batch_engine.py, does all three).
+Pure decisions over the queue, what each admitted request holds and the clock it is given: it
+allocates nothing, runs nothing and settles no future (the engine, shared/batch_engine.py, does).
 """
 from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Container, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -144,3 +145,61 @@ class Scheduler:
             return min(left, int(budget))
         b = 1 + kv_length / c  # cost(t) = t * (b + t / 2c)
         return min(left, int(c * (math.sqrt(b * b + 2 * budget / c) - b)))
+
+
+class StepHolds:
+    """Holding the next step for sampling work announced to arrive (`BatchEngine.expect`: MD's cut
+    from RLD), so it joins this step instead of waiting out the next."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.hold_steps = config.hold_steps
+        self.grace_s = config.hold_grace_s
+        self.gather_s = config.gather_s
+        self.due: dict[str, float] = {}  # key -> when its announced work should arrive (time.monotonic)
+        self.step_s = 0.0  # a moving average of a step's forward, for how long a hold may last
+        self.holds = 0  # steps held back for announced work
+        self.holds_met = 0  # holds the announced work arrived in
+        self.announced = 0  # work announced for an admitted request (`expect`)
+        self.announced_late = 0  # announced work that had not come by its due time and grace
+
+    def announce(self, key: str, due: float) -> None:
+        self.due[key] = due
+        self.announced += 1
+
+    def stepped(self, forward_s: float) -> None:
+        self.step_s = forward_s if not self.step_s else 0.8 * self.step_s + 0.2 * forward_s
+
+    def until(self, now: float, held_since: float | None, arrived: Collection[str],
+              admitted: Container[str]) -> float | None:
+        """Until when to hold the next step for announced work not yet here (`arrived`: the requests
+        whose sampling work is queued); None: do not hold.
+
+        Work is due at the time `expect` gave, give or take a grace (`hold_grace_s`, by default a
+        quarter of a step, at least `gather_s`: the announcer's clock is an estimate, and a hop
+        follows it). A hold lasts at most `hold_steps` of a step from when the engine was first
+        ready, is not begun for work due later than that, and ends when the work arrives or its
+        grace is over; work that missed its hold joins a later step without another hold and counts
+        in `announced_late`."""
+        for key in [k for k in self.due if k in arrived or k not in admitted]:
+            del self.due[key]  # it came (or the request is gone): nothing left to hold for
+        limit = self.hold_steps * self.step_s
+        if not self.due or limit <= 0:
+            return None
+        reach = (held_since if held_since is not None else now) + limit
+        grace = self.grace_s or max(0.25 * self.step_s, self.gather_s)
+        until = max((due + grace for due in self.due.values() if due <= reach), default=None)
+        if until is not None:
+            until = min(until, reach)
+        late = [key for key, due in self.due.items()
+                if due + grace <= now or (until is not None and until <= now and due <= reach)]
+        for key in late:
+            del self.due[key]  # late, or its hold is over: it joins a later step
+        self.announced_late += len(late)
+        return until if until is not None and until > now else None
+
+    def ended(self, held_for: set[str], arrived: Collection[str]) -> bool:
+        """A hold is over: whether the work it held for came."""
+        met = bool(held_for & set(arrived))
+        self.holds += 1
+        self.holds_met += met
+        return met

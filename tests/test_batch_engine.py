@@ -116,12 +116,7 @@ async def decode_admitted(engine: BatchEngine, seq: DecodeSequence, eager_ids: l
     """An admitted request's (extend-)decode to the end, then its release."""
     try:
         seq.output_ids.extend(eager_ids)
-        feed = [seq.prompt_ids[-1], *eager_ids]
-        while True:
-            token, finish_reason = await engine.step(seq, feed)
-            if finish_reason is not None:
-                return seq.output_ids
-            feed = [token]
+        return await engine.decode(seq, [seq.prompt_ids[-1], *eager_ids])
     finally:
         engine.release(seq.request_id)
 

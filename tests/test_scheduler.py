@@ -1,7 +1,8 @@
 """The engine's scheduler without a model: decode rows before longer work, one row per request, long
 work cut to the token budget (and, with an attention cost, to what a long context costs), in queue
 or admission order with background work last; feed-only work joined by the request's next work;
-work that unfeeds more than its request holds fails without taking budget."""
+work that unfeeds more than its request holds fails without taking budget; a step held for announced
+work until it comes, its grace ends or the hold's reach, and never for work due past that."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 
 from shared.config import EngineConfig
-from shared.scheduler import Scheduler, Scoring, Work
+from shared.scheduler import Scheduler, Scoring, StepHolds, Work
 
 
 @dataclass
@@ -139,3 +140,42 @@ async def test_work_is_not_joined_when_either_side_must_stay_apart(first, then) 
     kept, joined = Scheduler.coalesce([a, b])
     assert kept == [a, b] and joined == []
     assert a.feed_ids == [100, 101, 102]
+
+
+def holds_after_a_step_of(step_s: float, **config: float) -> StepHolds:
+    holds = StepHolds(EngineConfig(hold_steps=0.5, gather_s=0.005, **config))  # type: ignore[arg-type]
+    holds.stepped(step_s)
+    return holds
+
+
+def test_no_hold_before_a_step_was_timed_or_without_an_announcement() -> None:
+    untimed = StepHolds(EngineConfig(hold_steps=0.5))
+    untimed.announce("md", 10.01)
+    assert untimed.until(10.0, None, set(), {"md"}) is None
+    assert holds_after_a_step_of(0.1).until(10.0, None, set(), {"md"}) is None
+
+
+def test_a_hold_lasts_to_the_work_s_due_time_and_grace_within_half_a_step() -> None:
+    holds = holds_after_a_step_of(0.1)  # a reach of 50 ms; a grace of a quarter step, 25 ms
+    holds.announce("md", 10.01)
+    assert holds.until(10.0, None, set(), {"md"}) == pytest.approx(10.035)
+    holds.announce("md", 10.04)
+    assert holds.until(10.0, 10.0, set(), {"md"}) == pytest.approx(10.05), "never past the reach"
+    assert holds.until(10.02, 10.0, {"md"}, {"md"}) is None and holds.due == {}, "the work came"
+    assert holds.ended({"md"}, {"md"}) and (holds.holds, holds.holds_met) == (1, 1)
+    assert holds.announced == 2 and holds.announced_late == 0
+
+
+def test_work_due_past_the_reach_is_not_held_for_and_counts_late_once_its_grace_is_over() -> None:
+    holds = holds_after_a_step_of(0.1, hold_grace_s=0.01)
+    holds.announce("md", 10.2)
+    assert holds.until(10.0, None, set(), {"md"}) is None and holds.announced_late == 0
+    assert holds.until(10.25, None, set(), {"md"}) is None
+    assert holds.announced_late == 1 and holds.due == {}
+
+
+def test_a_hold_for_a_request_gone_ends() -> None:
+    holds = holds_after_a_step_of(0.1)
+    holds.announce("md", 10.01)
+    assert holds.until(10.0, None, set(), set()) is None and holds.due == {}
+    assert not holds.ended({"md"}, set()) and (holds.holds, holds.holds_met) == (1, 0)
