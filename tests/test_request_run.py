@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 
 from services.gateway.run.attempt import Attempt, AttemptPhase, GenerationRequest
-from services.gateway.run.request_run import KV_UNREACHABLE, RequestRun, RunPhase
+from services.gateway.run.request_run import RequestRun, RunPhase
 from shared import subjects
 from shared.config import CommonConfig, GatewayConfig
-from shared.errors import DeadlineExceeded, InstanceStopping, KVPreempted, PeerGone, RequestAborted
+from shared.errors import DeadlineExceeded, InstanceStopping, KVPreempted, KVUnreachable, PeerGone, RequestAborted
 from shared.messages import (
     Handoff,
     HandoffStats,
@@ -325,7 +325,7 @@ async def test_a_preempted_request_restarts_on_the_same_decoder_under_any_policy
 
 
 def unreachable(run: RequestRun, path: Role) -> RequestFailed:
-    return RequestFailed(run.attempt.request_id, Role.PREFILL, KV_UNREACHABLE,
+    return RequestFailed(run.attempt.request_id, Role.PREFILL, KVUnreachable.code,
                          f"KV send to {path} failed: decoder refused: 64 KV connections open", path=path)
 
 

@@ -124,7 +124,7 @@ class RequestTelemetry:
         cut = cut if cut is not None and 0 < cut < len(times) else None
         stall_s = times[cut] - times[cut - 1] if cut is not None else None
         # a takeover after RLD was lost is a recovery (pdd_recoveries_total), not a planned handoff
-        if run.handoff is not None and getattr(run, "recovery", None) != Action.MAIN_TAKES_OVER.value:
+        if run.handoff is not None and getattr(run, "recovery", None) is not Action.MAIN_TAKES_OVER:
             mode = run.handoff.mode or HandoffMode.ONE_SHOT
             m.handoffs.labels(mode).inc()
             if stall_s is not None:

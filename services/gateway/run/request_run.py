@@ -51,6 +51,7 @@ from shared.errors import (
     DeadlineExceeded,
     InstanceStopping,
     KVPreempted,
+    KVUnreachable,
     PddError,
     PeerGone,
     ProtocolError,
@@ -135,9 +136,7 @@ class RunHost(Protocol):
 
     def count_recovery(self, action: Action) -> None: ...
 
-# P's RequestFailed code when it never got a KV connection to a decoder (KVUnreachable's, in
-# shared/errors.py as the KV-flood work lands: then this is KVUnreachable.code)
-KV_UNREACHABLE = "kv_unreachable"
+KV_UNREACHABLE = KVUnreachable.code  # P never got a KV connection to the decoder: the path failed
 _FAILED_BY_CODE = {cls.code: cls for cls in (DeadlineExceeded, ProtocolError, PeerGone, InstanceStopping)}
 
 
