@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from services.gateway.run.attempt import Attempt, AttemptPhase, GenerationRequest
-from services.gateway.run.outcome import CloseReason, LossKind, Migration
+from services.gateway.run.outcome import CloseReason, LossKind, Migration, response_summary
 from services.gateway.run.recovery import Action, RunState, on_tier_lost
 from shared import subjects, tracing
 from shared.config import GatewayConfig
@@ -311,20 +311,24 @@ class RequestRun:
                                                      f"{self._prompt_missing} of the prompt's logprobs"))
                 self._finish("length")
         elif isinstance(event, RequestFailed):
-            tier = event.path or event.tier
-            stopping = event.code == InstanceStopping.code and tier == event.tier
-            try:
-                instance = attempt.instances.get(Role(tier))
-            except ValueError:  # not a role's tier: _on_tier_lost fails the run
-                instance = None
-            if stopping and instance is not None:
-                self.host.instance_gone(instance)  # before the migration picks: it must not be picked again
-            if event.code == KV_UNREACHABLE and tier in attempt.streaming:
-                log.warning("%s: %s: %s streams, so its KV is in: nothing to recover", self.request_id,
-                            event.message, tier)
-                return []
-            await self._on_tier_lost(tier, f"{event.tier}: {event.message}", event.code, gone=stopping)
+            await self._on_failed(attempt, event)
         return []
+
+    async def _on_failed(self, attempt: Attempt, event: RequestFailed) -> None:
+        """A tier's report that it failed the request; P's names the path it failed on, if any."""
+        tier = event.path or event.tier
+        stopping = event.code == InstanceStopping.code and tier == event.tier
+        try:
+            instance = attempt.instances.get(Role(tier))
+        except ValueError:  # not a role's tier: _on_tier_lost fails the run
+            instance = None
+        if stopping and instance is not None:
+            self.host.instance_gone(instance)  # before the migration picks: it must not be picked again
+        if event.code == KV_UNREACHABLE and tier in attempt.streaming:
+            log.warning("%s: %s: %s streams, so its KV is in: nothing to recover", self.request_id,
+                        event.message, tier)
+            return
+        await self._on_tier_lost(tier, f"{event.tier}: {event.message}", event.code, gone=stopping)
 
     def _take_prompt_logprobs(self, event: PromptLogprobs) -> None:
         """Positions past the request's own prompt (a migrated attempt's streamed tokens) are not prompt."""
@@ -421,12 +425,16 @@ class RequestRun:
                 mode=HandoffMode.ONE_SHOT))
             self._cut(attempt, len(self.token_ids))
         else:
-            excluded: frozenset[str] = frozenset()
-            if code not in (RequestAborted.code, KVPreempted.code):  # else it let the request go: not at fault
-                excluded = frozenset({attempt.instances[role]})
-                if how is not LossKind.UNREACHABLE:  # the path failed, not the decoder
-                    self.failed_on.add(attempt.instances[role])
-            await self._migrate(role, message, preempted, excluded)
+            await self._migrate(role, message, preempted, self._blame(attempt.instances[role], code, how))
+
+    def _blame(self, instance: str, code: str, how: LossKind) -> frozenset[str]:
+        """The instances the migration must not go to: the one that just failed, unless it let the
+        request go (aborted, preempted); later attempts prefer others, unless only the path failed."""
+        if code in (RequestAborted.code, KVPreempted.code):
+            return frozenset()
+        if how is not LossKind.UNREACHABLE:
+            self.failed_on.add(instance)
+        return frozenset({instance})
 
     async def _migrate(self, tier: Role, reason: str, preempted: bool = False,
                        exclude: frozenset[str] = frozenset()) -> None:
@@ -465,31 +473,4 @@ class RequestRun:
 
     def summary(self) -> dict:
         """What the client may want to know of how the request was served (the response's `pdd` field)."""
-        return {
-            "pipeline": self.pipeline,
-            "pipeline_requested": None if self.request.pipeline is None else str(self.request.pipeline),
-            "attempts": [{"attempt_id": a.request_id, "pipeline": str(a.served_pipeline),
-                          "after_tokens": a.output_offset,
-                          "instances": {str(role): iid for role, iid in a.instances.items()}} for a in self.attempts],
-            "trace_id": self.trace_id,
-            "cached_tokens": {"prefill": self.cached_tokens, "main": self.main_cached_tokens},
-            "kv": {tier: {"cached_tokens": kv.cached_tokens, "kv_tokens": kv.kv_tokens, "kv_bytes": kv.kv_bytes,
-                          "kv_wait_s": round(kv.kv_wait_s, 6)} for tier, kv in self.kv_received.items()},
-            "prefill": None if self.prefill is None else {
-                "computed_tokens": self.prefill.computed_tokens, "prefill_s": round(self.prefill.prefill_s, 6)},
-            "ttft_s": None if self.first_token_at is None else round(self.first_token_at - self.started_at, 6),
-            "instances": self.instances,
-            "recovery": None if self.recovery is None else str(self.recovery),
-            "migrations": [migration.as_json() for migration in self.migrations],
-            "policy": None if (decision := self.decision) is None else self._policy_summary(decision),
-        }
-
-    def _policy_summary(self, decision: PipelineDecision) -> dict:
-        main_kv = self.kv_received.get(Role.MAIN)
-        return {"reason": decision.reason, "main_hit_predicted": decision.main_hit_tokens,
-                "wan_bytes_predicted": decision.wan_bytes, "main_kv_held": decision.hold_main_kv,
-                "link_bytes_per_s": decision.link_bytes_per_s or None,
-                "relay_ready_predicted_s": round(decision.predicted_relay_ready_s, 6),
-                "main_ready_predicted_s": round(decision.predicted_main_ready_s, 6),
-                "main_ready_actual_s": None if main_kv is None else round(main_kv.kv_wait_s, 6),
-                "ttft_budget_s": decision.budget_s}
+        return response_summary(self)
