@@ -1,6 +1,6 @@
-"""Fixtures shared by the tests (the tiny model, a reference `generate`), and the `e2e` mark: a
-test that starts processes, found from its own code and its fixtures', so `pytest -m "not e2e"`
-is the fast tier."""
+"""Fixtures shared by the tests (the tiny model, a reference `generate`, the module's stack), and
+the `e2e` mark: a test that starts processes, found from its own code and its fixtures', so
+`pytest -m "not e2e"` is the fast tier."""
 from __future__ import annotations
 
 import functools
@@ -13,6 +13,9 @@ import pytest
 import torch
 
 from shared.models import load_model, load_tokenizer, resolve_model
+from tools.launcher import LocalStack
+
+from helpers import SharedStacks, stack_config
 
 Generate = Callable[[list[int], int], list[int]]
 
@@ -70,6 +73,38 @@ def tiny_generate(tiny_path: Path) -> Generate:
 
 @pytest.fixture(scope="module")
 async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    """An HTTP client for the module's stack, with a bound on every request."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as client:
+    """An HTTP client for the module's stack, with a bound on every request. It drops a connection idle
+    for 5 s: the gateway closes one idle for 10 s (its --header-timeout-s), and a request sent on a
+    connection the gateway is closing fails as ServerDisconnected (seen when a loaded machine makes
+    the gap between a test's requests long)."""
+    connector = aiohttp.TCPConnector(keepalive_timeout=5.0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as client:
         yield client
+
+
+@pytest.fixture(scope="module")
+def stack_overrides(request: pytest.FixtureRequest) -> dict[str, object]:
+    """What the module's stack changes from helpers.TINY_STACK: the module's `STACK`. A module whose
+    changes are made at run time (a free port, a key file, an environment variable) overrides this."""
+    return dict(getattr(request.module, "STACK", {}))
+
+
+@pytest.fixture(scope="session")
+async def shared_stacks(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[SharedStacks]:
+    stacks = SharedStacks(tmp_path_factory.mktemp("shared-stacks"))
+    try:
+        yield stacks
+    finally:
+        await stacks.aclose()
+
+
+@pytest.fixture(scope="module")
+async def stack(request: pytest.FixtureRequest, stack_overrides: dict[str, object], shared_stacks: SharedStacks,
+                tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalStack]:
+    """The module's stack, started once for its tests. A module that sets SHARE_STACK = True (its tests
+    leave the stack as they found it) gets one it shares with other such modules of the same STACK."""
+    if getattr(request.module, "SHARE_STACK", False):
+        yield await shared_stacks.get(**stack_overrides)
+        return
+    async with LocalStack(stack_config(tmp_path_factory.mktemp("stack"), **stack_overrides)) as running:
+        yield running

@@ -1,14 +1,71 @@
-"""Helpers shared by the end-to-end tests: deterministic prompts, fresh heartbeats, and a role
-restarted with code of a test's put into its process."""
+"""Helpers shared by the end-to-end tests: the stack a module runs on (conftest's `stack` fixture
+starts it), a streamed completion, deterministic prompts, fresh heartbeats, and a role restarted
+with code of a test's put into its process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import time
 from pathlib import Path
 
+import aiohttp
+
 from shared import bus, messages, subjects
+from tools.api_client import StreamResult, stream_completion
+from tools.launcher import LocalStack
+from tools.stack_config import StackConfig
+
+# What a test's stack is unless its module says otherwise (`STACK` in the module, or its own
+# `stack_overrides` fixture): the tiny model, P-RLD-MD, one torch thread per process.
+TINY_STACK: dict[str, object] = {"model": "tiny", "pipeline": "p-rld-md", "port": 0, "torch_threads": 1,
+                                 "chunk_tokens": 64, "startup_timeout_s": 150.0}
+
+
+# A restarted role imports torch afresh: seconds on a quiet machine, tens of seconds on a loaded one.
+RESTART_TIMEOUT_S = 60.0
+
+
+def stack_config(log_dir: Path, **overrides: object) -> StackConfig:
+    """TINY_STACK with `overrides` over it, logging to `log_dir`."""
+    return StackConfig(**{**TINY_STACK, "log_dir": log_dir, **overrides})  # type: ignore[arg-type]
+
+
+class SharedStacks:
+    """The stacks of the session that modules share: one per configuration, started when a module
+    first asks for it and stopped when the session ends. Only for modules whose tests leave the
+    stack as they found it (no kill, restart or stop), and that do not count on what another
+    module's requests left in its caches."""
+
+    def __init__(self, log_root: Path) -> None:
+        self._log_root = log_root
+        self._stacks: dict[str, LocalStack] = {}
+        self._exit = contextlib.AsyncExitStack()
+
+    async def get(self, **overrides: object) -> LocalStack:
+        key = repr(sorted(overrides.items()))
+        if key not in self._stacks:
+            log_dir = self._log_root / f"shared-{len(self._stacks)}"
+            self._stacks[key] = await self._exit.enter_async_context(LocalStack(stack_config(log_dir, **overrides)))
+        return self._stacks[key]
+
+    async def aclose(self) -> None:
+        await self._exit.aclose()
+
+
+async def complete(session: aiohttp.ClientSession, stack: LocalStack, prompt: list[int] | str, max_tokens: int, *,
+                   ignore_eos: bool = False, timeout_s: float | None = None, **pdd: object) -> StreamResult:
+    """A streamed greedy completion of `prompt` (token ids or text); keyword arguments other than
+    `ignore_eos` and `timeout_s` are the request's `pdd` fields. A module that always sends some
+    binds them with functools.partial (a caller's own keyword still wins)."""
+    body: dict[str, object] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    if pdd:
+        body["pdd"] = pdd
+    async with asyncio.timeout(timeout_s):
+        return await stream_completion(session, stack.api_url, body)
 
 
 def random_prompt(seed: int, n: int) -> list[int]:
@@ -88,5 +145,5 @@ async def restart_patched(stack, role: str, sitecustomize: str, directory: Path,
     monkeypatch.setenv("PYTHONPATH", str(directory), prepend=os.pathsep)
     await stack.restart(role)
     monkeypatch.undo()  # only the restarted role gets it
-    await fresh_heartbeats(stack.nats_url)
+    await fresh_heartbeats(stack.nats_url, timeout_s=RESTART_TIMEOUT_S)
     await asyncio.sleep(1.0)

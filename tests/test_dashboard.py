@@ -10,7 +10,7 @@ import asyncio
 import os
 import shutil
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -18,7 +18,7 @@ import pytest
 
 from tools.api_client import StreamResult, stream_completion
 from tools.launcher import LocalStack
-from tools.stack_config import StackConfig, free_port
+from tools.stack_config import free_port
 
 TRACE_WAIT_S = 20.0
 BROWSER_TIMEOUT_S = 90.0
@@ -34,17 +34,13 @@ def find_chromium() -> str | None:
 
 
 @pytest.fixture(scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalStack]:
-    port = free_port()
+def stack_overrides() -> Iterator[dict[str, object]]:
+    port = free_port()  # the gateway is every service's OTLP endpoint, so its port is chosen first
     endpoint = f"http://127.0.0.1:{port}/v1/traces"
-    config = StackConfig(pipeline="p-rld-md", model="tiny", port=port, log_dir=tmp_path_factory.mktemp("dashboard"),
-                         torch_threads=1, chunk_tokens=64, startup_timeout_s=150,
-                         extra_args={role: ["--otlp-endpoint", endpoint]
-                                     for role in ("gateway", "prefill", "relay", "main")})
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
-        async with LocalStack(config) as running:
-            yield running
+        yield {"port": port,
+               "extra_args": {role: ["--otlp-endpoint", endpoint] for role in ("gateway", "prefill", "relay", "main")}}
 
 
 @pytest.fixture(scope="module")

@@ -15,17 +15,14 @@ half a second late. Nothing else is mocked.
 """
 from __future__ import annotations
 
-import asyncio
+import functools
 
-import pytest
-
-from tools.api_client import stream_completion
-from tools.launcher import LocalStack
-from tools.stack_config import StackConfig
-
-from helpers import fresh_heartbeats, random_prompt, restart_patched
+from helpers import RESTART_TIMEOUT_S, complete, fresh_heartbeats, random_prompt, restart_patched
 
 BEAT = ["--heartbeat-s", "0.25"]
+STACK = {"extra_args": {"prefill": BEAT, "relay": BEAT, "main": BEAT,
+                        "gateway": [*BEAT, "--token-timeout-s", "20", "--request-timeout-s", "40"]}}
+complete = functools.partial(complete, ignore_eos=True, timeout_s=60, pipeline="p-rld-md")
 
 LATE_ASSIGN = '''
 import asyncio
@@ -41,23 +38,6 @@ async def _late(self, msg):
 
 service.DecoderService._on_assign = _late
 '''
-
-
-@pytest.fixture(scope="module")
-async def stack(tmp_path_factory):
-    config = StackConfig(model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1,
-                         pipeline="p-rld-md", startup_timeout_s=120,
-                         extra_args={"prefill": BEAT, "relay": BEAT, "main": BEAT,
-                                     "gateway": [*BEAT, "--token-timeout-s", "20", "--request-timeout-s", "40"]})
-    async with LocalStack(config) as running:
-        yield running
-
-
-async def complete(session, stack, prompt, max_tokens, **pdd):
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "pdd": {"pipeline": "p-rld-md", **pdd}}
-    async with asyncio.timeout(60):
-        return await stream_completion(session, stack.api_url, body)
 
 
 async def test_mds_report_before_a_late_rld_registered_the_request_is_kept_for_it(
@@ -89,4 +69,4 @@ async def test_rlds_tokens_before_a_late_md_registered_the_request_are_kept_for_
     after = (await fresh_heartbeats(stack.nats_url))["main"].stats
     assert after["early_replayed"] > before["early_replayed"], "MD kept RLD's first tokens for the late assignment"
     await stack.restart("main")
-    await fresh_heartbeats(stack.nats_url)
+    await fresh_heartbeats(stack.nats_url, timeout_s=RESTART_TIMEOUT_S)

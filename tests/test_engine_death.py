@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 from tools.api_client import stream_completion
-from tools.launcher import LocalStack
-from tools.stack_config import StackConfig
 
-from helpers import fresh_heartbeats, random_prompt, restart_patched
+from helpers import RESTART_TIMEOUT_S, fresh_heartbeats, random_prompt, restart_patched
 
 BEAT = ["--heartbeat-s", "0.25"]
+STACK = {"pipeline": "p-md",
+         "extra_args": {"prefill": BEAT, "relay": BEAT, "main": BEAT,
+                        "gateway": [*BEAT, "--token-timeout-s", "20", "--request-timeout-s", "60"]}}
 
 # Runs at the interpreter's start, before services.main is imported.
 BROKEN_ENGINE = '''
@@ -51,16 +50,6 @@ service.DecoderService.stop = _late_stop
 '''
 
 
-@pytest.fixture(scope="module")
-async def stack(tmp_path_factory):
-    config = StackConfig(model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1,
-                         pipeline="p-md", startup_timeout_s=120,
-                         extra_args={"prefill": BEAT, "relay": BEAT, "main": BEAT,
-                                     "gateway": [*BEAT, "--token-timeout-s", "20", "--request-timeout-s", "60"]})
-    async with LocalStack(config) as running:
-        yield running
-
-
 async def wait_exited(stack, role: str, timeout_s: float) -> int:
     async with asyncio.timeout(timeout_s):
         while (code := stack.processes[role].poll()) is None:
@@ -88,4 +77,4 @@ async def test_an_md_whose_engine_dies_exits_with_status_1_and_its_request_moves
     assert "Traceback" in log
 
     await stack.restart("main")  # the unbroken MD again, for whatever runs next in this module
-    await fresh_heartbeats(stack.nats_url)
+    await fresh_heartbeats(stack.nats_url, timeout_s=RESTART_TIMEOUT_S)

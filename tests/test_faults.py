@@ -4,39 +4,23 @@ nothing is left behind."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
 
-import pytest
-
 from tools.api_client import ApiError, stream_completion
-from tools.launcher import LocalStack
-from tools.stack_config import StackConfig
 
-from helpers import abandon_stream, fresh_heartbeats, random_prompt
+from helpers import abandon_stream, complete, fresh_heartbeats, random_prompt
 
 BEAT = ["--heartbeat-s", "0.25"]
 TOKEN_TIMEOUT_S = 20
-
-
-@pytest.fixture(scope="module")
-async def stack(tmp_path_factory):
-    config = StackConfig(model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1,
-                         pipeline="p-rld-md", startup_timeout_s=120,
-                         extra_args={"prefill": BEAT, "relay": BEAT, "main": BEAT,
-                                     "gateway": [*BEAT, "--token-timeout-s", str(TOKEN_TIMEOUT_S),
-                                                 "--request-timeout-s", "60"]})
-    async with LocalStack(config) as running:
-        yield running
+STACK = {"extra_args": {"prefill": BEAT, "relay": BEAT, "main": BEAT,
+                        "gateway": [*BEAT, "--token-timeout-s", str(TOKEN_TIMEOUT_S), "--request-timeout-s", "60"]}}
+complete = functools.partial(complete, ignore_eos=True)
 
 
 def prompt(seed: int, n: int = 80) -> list[int]:
     return random_prompt(seed, n)
-
-
-async def complete(session, stack, prompt_ids, max_tokens, **pdd):
-    body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "pdd": pdd}
-    return await stream_completion(session, stack.api_url, body)
 
 
 async def healthy(session, stack) -> None:
@@ -248,7 +232,6 @@ async def test_services_survive_a_nats_restart(stack, session, tiny_generate):
     p = prompt(7)
     after = await complete(session, stack, p, 16)
     assert after.token_ids == tiny_generate(p, 16)
-
 
 
 async def test_two_hundred_random_aborts_leave_nothing_behind(stack, session):

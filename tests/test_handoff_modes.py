@@ -2,39 +2,22 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import pytest
 
-from tools.api_client import stream_completion
-from tools.launcher import LocalStack
-from tools.stack_config import StackConfig
-
-from helpers import fresh_heartbeats, random_prompt
+from helpers import complete, fresh_heartbeats, random_prompt
 
 CATCH_UP_THRESHOLD = 8
 HEARTBEAT_S = 0.25
-
-
-@pytest.fixture(scope="module")
-async def stack(tmp_path_factory):
-    beat = ["--heartbeat-s", str(HEARTBEAT_S)]
-    config = StackConfig(pipeline="p-rld-md", model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"),
-                         torch_threads=1, chunk_tokens=64, startup_timeout_s=120,
-                         extra_args={"relay": ["--catch-up-threshold", str(CATCH_UP_THRESHOLD), *beat],
-                                     "prefill": beat, "gateway": beat,
-                                     # the tiny model steps in about a millisecond: let a hold reach
-                                     # as far as RLD's announced cut, and wait for a cut that comes
-                                     # late by a loaded machine's messaging (tens of ms)
-                                     "main": [*beat, "--hold-steps", "1000", "--hold-grace-s", "0.5"]})
-    async with LocalStack(config) as running:
-        yield running
-
-
-
-async def complete(session, stack, prompt_ids, max_tokens, **pdd):
-    body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "pdd": {"pipeline": "p-rld-md", **pdd}}
-    return await stream_completion(session, stack.api_url, body)
+BEAT = ["--heartbeat-s", str(HEARTBEAT_S)]
+STACK = {"extra_args": {"relay": ["--catch-up-threshold", str(CATCH_UP_THRESHOLD), *BEAT],
+                        "prefill": BEAT, "gateway": BEAT,
+                        # the tiny model steps in about a millisecond: let a hold reach as far as
+                        # RLD's announced cut, and wait for a cut that comes late by a loaded
+                        # machine's messaging (tens of ms)
+                        "main": [*BEAT, "--hold-steps", "1000", "--hold-grace-s", "0.5"]}}
+complete = functools.partial(complete, ignore_eos=True, pipeline="p-rld-md")
 
 
 @pytest.mark.parametrize(("mode", "seed"), [("one-shot", 21), ("catch-up", 22)])
@@ -60,7 +43,6 @@ async def test_catch_up_hands_off_in_chunks_and_cuts_exactly_where_told(stack, s
     assert result.tiers == ["relay"] * 40 + ["main"] * 40
     assert result.handoff["mode"] == "catch-up" and result.handoff["chunks"] >= 2
     assert result.handoff["eager_tokens"] == 40
-
 
 
 async def test_rld_announces_its_cut_and_md_expects_it(stack, session, tiny_generate):

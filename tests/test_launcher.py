@@ -12,7 +12,6 @@ import os
 import re
 import signal
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -25,7 +24,7 @@ from tools.demo import DemoOptions, TierPainter, run_demo
 from tools.launcher import LocalStack
 from tools.stack_config import NATS, SERVICES, StackConfig, StackError
 
-from helpers import process_alive
+from helpers import process_alive, stack_config
 
 STARTUP_TIMEOUT_S = 150.0
 
@@ -38,11 +37,11 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+STACK = {"log_level": "INFO", "startup_timeout_s": STARTUP_TIMEOUT_S}
+
+
 def _tiny(tmp_path: Path, **overrides: object) -> StackConfig:
-    config = dict(model="tiny", pipeline="p-rld-md", port=0, log_dir=tmp_path / "logs", log_level="INFO",
-                  startup_timeout_s=STARTUP_TIMEOUT_S)
-    config.update(overrides)
-    return StackConfig(**config)  # type: ignore[arg-type]
+    return stack_config(tmp_path / "logs", **{**STACK, **overrides})
 
 
 @pytest.mark.timeout(90)
@@ -271,12 +270,6 @@ async def test_pdd_up_restarts_a_service_that_exits_when_asked(tmp_path: Path) -
                 if (log_dir / "stack.json").exists() else pids.values():
             if _group_alive(pid):
                 os.killpg(pid, signal.SIGKILL)
-
-
-@pytest.fixture(scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalStack]:
-    async with LocalStack(_tiny(tmp_path_factory.mktemp("stack"))) as running:
-        yield running
 
 
 @pytest.mark.timeout(STARTUP_TIMEOUT_S + 30)

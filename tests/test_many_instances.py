@@ -7,17 +7,20 @@ import asyncio
 import signal
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
 
 from tools.api_client import stream_completion
 from tools.launcher import LocalStack
-from tools.stack_config import StackConfig
 
-from helpers import busy_instance, random_prompt
+from helpers import busy_instance, complete, random_prompt
 
 BEAT = ["--heartbeat-s", "0.25"]
+STACK = {"pipeline": "auto",
+         "extra_args": {"main": ["--instance-id", "main-1", *BEAT], "prefill": ["--instance-id", "prefill-1", *BEAT],
+                        "relay": BEAT, "gateway": [*BEAT, "--wan-mbps-guess", "1"]}}
 
 
 def spawn(stack: LocalStack, role: str, instance_id: str) -> subprocess.Popen:
@@ -40,24 +43,17 @@ async def wait_for_instances(stack: LocalStack, role: str, count: int) -> None:
 
 
 @pytest.fixture(scope="module")
-async def stack(tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("logs")
-    config = StackConfig(model="tiny", port=0, log_dir=log_dir, torch_threads=1, chunk_tokens=64,
-                         pipeline="auto", startup_timeout_s=120,
-                         extra_args={"main": ["--instance-id", "main-1", *BEAT],
-                                     "prefill": ["--instance-id", "prefill-1", *BEAT], "relay": BEAT,
-                                     "gateway": [*BEAT, "--wan-mbps-guess", "1"]})
-    async with LocalStack(config) as running:
-        running.extra = {"main-2": spawn(running, "main", "main-2"),
-                         "prefill-2": spawn(running, "prefill", "prefill-2")}
-        await wait_for_instances(running, "main", 2)
-        await wait_for_instances(running, "prefill", 2)
-        try:
-            yield running
-        finally:
-            for proc in running.extra.values():
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(10)
+async def stack(stack: LocalStack) -> AsyncIterator[LocalStack]:
+    """conftest's stack with a second MD and a second P beside the launcher's."""
+    stack.extra = {"main-2": spawn(stack, "main", "main-2"), "prefill-2": spawn(stack, "prefill", "prefill-2")}
+    try:
+        await wait_for_instances(stack, "main", 2)
+        await wait_for_instances(stack, "prefill", 2)
+        yield stack
+    finally:
+        for proc in stack.extra.values():
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(10)
 
 
 def kill(stack: LocalStack, instance_id: str) -> None:
@@ -76,11 +72,6 @@ async def revive(stack: LocalStack, instance_id: str) -> None:
         await stack.restart(role)
     await asyncio.sleep(1.2)  # the dead one's heartbeats go stale first
     await wait_for_instances(stack, role, 2)
-
-
-async def complete(session, stack, prompt_ids, max_tokens=8, **pdd):
-    body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "pdd": pdd}
-    return await stream_completion(session, stack.api_url, body)
 
 
 async def test_pipeline_choice_follows_the_main_hit(stack, session, tiny_generate):
@@ -103,7 +94,7 @@ async def test_a_session_stays_on_the_main_that_holds_its_history(stack, session
         history = random_prompt(seed, 120)
         served_by = set()
         for turn in range(3):
-            result = await complete(session, stack, history)
+            result = await complete(session, stack, history, 8)
             served_by.add(result.summary["instances"]["main"])
             if turn:
                 assert result.summary["cached_tokens"]["main"] > 0
@@ -154,6 +145,6 @@ async def test_a_killed_main_stops_receiving_requests(stack, session, tiny_gener
     stack.extra["main-2"].wait(10)
     for seed in range(20, 30):
         prompt = random_prompt(seed, 40)
-        result = await complete(session, stack, prompt)
+        result = await complete(session, stack, prompt, 8)
         assert result.token_ids == tiny_generate(prompt, 8)
         assert result.summary["instances"]["main"] == "main-1"

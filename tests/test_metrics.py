@@ -4,16 +4,16 @@ the counters moved by what the responses themselves report."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.kv_wire import FRAME_HEADER
-from tools.api_client import StreamResult, stream_completion
 from tools.launcher import LocalStack
-from tools.stack_config import StackConfig, free_port
+from tools.stack_config import free_port
+
+from helpers import complete
 
 MODEL_ROLES = ("prefill", "relay", "main")
 PROMPT = "Metrics should move by exactly what the responses report, no more and no less. " * 4
@@ -26,12 +26,8 @@ def metrics_ports() -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory, metrics_ports: dict[str, int]) -> AsyncIterator[LocalStack]:
-    config = StackConfig(pipeline="p-rld-md", model="tiny", port=0, log_dir=tmp_path_factory.mktemp("metrics"),
-                         torch_threads=1, chunk_tokens=64, startup_timeout_s=150,
-                         extra_args={role: ["--metrics-port", str(port)] for role, port in metrics_ports.items()})
-    async with LocalStack(config) as running:
-        yield running
+def stack_overrides(metrics_ports: dict[str, int]) -> dict[str, object]:
+    return {"extra_args": {role: ["--metrics-port", str(port)] for role, port in metrics_ports.items()}}
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +52,6 @@ def delta(before: dict[str, Samples], after: dict[str, Samples], role: str, name
     def total(samples: Samples) -> float:
         return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= ls)
     return total(after[role]) - total(before[role])
-
-
-async def complete(session: aiohttp.ClientSession, stack: LocalStack, prompt: str, max_tokens: int,
-                   **pdd: object) -> StreamResult:
-    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "pdd": pdd}
-    return await stream_completion(session, stack.api_url, body)
 
 
 async def settled(session: aiohttp.ClientSession, metrics_urls: dict[str, str]) -> dict[str, Samples]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,13 +29,7 @@ from helpers import random_prompt
 MAX_TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalStack]:
-    config = StackConfig(model="tiny", port=0, log_dir=tmp_path_factory.mktemp("nats-security"), torch_threads=1,
-                         chunk_tokens=64, startup_timeout_s=150, pipeline="p-rld-md", topology="two-dc",
-                         wan_bandwidth_mbps=0.0, wan_delay_ms=2.0, wan_jitter_ms=0.0, nats_auth=True)
-    async with LocalStack(config) as running:
-        yield running
+STACK = {"topology": "two-dc", "wan_bandwidth_mbps": 0.0, "wan_delay_ms": 2.0, "wan_jitter_ms": 0.0, "nats_auth": True}
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ import openai
 import pytest
 
 from tools.api_client import ApiError, sse_events, stream_completion
-from tools.launcher import LocalStack
-from tools.stack_config import StackConfig
+
+from helpers import complete
 
 PROMPT_TEXTS = [
     "Hello",
@@ -16,14 +16,7 @@ PROMPT_TEXTS = [
     "List three reasons why tests should run real processes: " * 6,
     "Once upon a time there was a serving system split across two datacenters. " * 12,
 ]
-
-
-@pytest.fixture(scope="module")
-async def stack(tmp_path_factory):
-    config = StackConfig(pipeline="p-rld-md", model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"),
-                         torch_threads=1, chunk_tokens=64, startup_timeout_s=120)
-    async with LocalStack(config) as running:
-        yield running
+SHARE_STACK = True  # no test kills, restarts or reconfigures a role
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +27,6 @@ def prompts(tiny_tokenizer) -> list[list[int]]:
 def fresh(tiny_tokenizer, tag: str, prompt_ids: list[int]) -> list[int]:
     """The prompt behind a tag no other test used, so neither P's cache nor MD's DRC holds it."""
     return tiny_tokenizer(f"[{tag}] ")["input_ids"] + prompt_ids
-
-
-async def complete(session, stack, prompt_ids: list[int], max_tokens: int, **pdd) -> object:
-    body = {"model": "tiny-llama", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "pdd": pdd}
-    return await stream_completion(session, stack.api_url, body)
 
 
 @pytest.mark.parametrize("pipeline", ["p-md", "p-rld-md"])

@@ -4,37 +4,18 @@ RLD), nothing leaks."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 
-import pytest
-
-from tools.api_client import stream_completion
-from tools.launcher import LocalStack
-from tools.stack_config import StackConfig
-
-from helpers import abandon_stream, fresh_heartbeats, random_prompt
+from helpers import abandon_stream, complete, fresh_heartbeats, random_prompt
 
 P_CACHE_TOKENS = 300  # small on purpose: a long prompt does not fit, so MD's hit can exceed P's
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 16 * 4  # tiny model: layers x (K, V) x kv heads x head dim x fp32
 HEARTBEAT_S = 0.25
-
-
-@pytest.fixture(scope="module")
-async def stack(tmp_path_factory):
-    beat = ["--heartbeat-s", str(HEARTBEAT_S)]
-    config = StackConfig(pipeline="p-rld-md", model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"),
-                         torch_threads=1, chunk_tokens=64, startup_timeout_s=120,
-                         extra_args={"prefill": ["--cache-tokens", str(P_CACHE_TOKENS), *beat],
-                                     "relay": beat, "main": beat, "gateway": beat})
-    async with LocalStack(config) as running:
-        yield running
-
-
-
-async def complete(session, stack, prompt_ids: list[int], max_tokens: int = 16, **pdd):
-    body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
-            "pdd": {"pipeline": "p-md", **pdd}}
-    return await stream_completion(session, stack.api_url, body)
+BEAT = ["--heartbeat-s", str(HEARTBEAT_S)]
+STACK = {"extra_args": {"prefill": ["--cache-tokens", str(P_CACHE_TOKENS), *BEAT],
+                        "relay": BEAT, "main": BEAT, "gateway": BEAT}}
+complete = functools.partial(complete, pipeline="p-md")
 
 
 def hits(result) -> tuple[int, int]:
@@ -45,16 +26,16 @@ def hits(result) -> tuple[int, int]:
 
 async def test_no_partial_and_full_hits_are_token_exact(stack, session, tiny_generate):
     prompt = random_prompt(1, 120)
-    first = await complete(session, stack, prompt)
+    first = await complete(session, stack, prompt, 16)
     assert hits(first) == (0, 0)
     assert first.summary["kv"]["main"]["kv_tokens"] == 119
 
-    again = await complete(session, stack, prompt)
+    again = await complete(session, stack, prompt, 16)
     assert hits(again) == (119, 119), "the whole prompt (but its last token) is cached on both sides"
     assert again.summary["kv"]["main"]["kv_tokens"] == 0 and again.summary["kv"]["main"]["kv_bytes"] == 0
 
     branch = prompt[:80] + random_prompt(2, 40)
-    partial = await complete(session, stack, branch)
+    partial = await complete(session, stack, branch, 16)
     assert hits(partial) == (80, 80)
     assert partial.summary["kv"]["main"]["kv_tokens"] == 39
     for result, ids in ((first, prompt), (again, prompt), (partial, branch)):
@@ -63,8 +44,8 @@ async def test_no_partial_and_full_hits_are_token_exact(stack, session, tiny_gen
 
 async def test_main_hit_longer_than_prefill_hit(stack, session, tiny_generate):
     prompt = random_prompt(3, 400)  # longer than P's cache: P keeps only a prefix of it
-    await complete(session, stack, prompt)
-    again = await complete(session, stack, prompt)
+    await complete(session, stack, prompt, 16)
+    again = await complete(session, stack, prompt, 16)
     p_hit, md_hit = hits(again)
     assert p_hit <= P_CACHE_TOKENS < md_hit == 399
     assert again.token_ids == tiny_generate(prompt, 16)
@@ -75,7 +56,7 @@ async def test_main_hit_shorter_than_prefill_hit(stack, session, tiny_generate):
     # RLD finishes 2 tokens long before MD's (slow) KV arrives, so MD never stores this prompt
     early = await complete(session, stack, prompt, 2, pipeline="p-rld-md", md_kv_delay_ms=3000)
     assert set(early.tiers) == {"relay"} and "main" not in early.summary["kv"]
-    again = await complete(session, stack, prompt)
+    again = await complete(session, stack, prompt, 16)
     p_hit, md_hit = hits(again)
     assert p_hit == 149 and md_hit < p_hit
     assert again.summary["kv"]["main"]["kv_tokens"] == 149 - md_hit
@@ -137,5 +118,5 @@ async def test_abort_storm_leaves_no_lock_inbox_or_transfer(stack, session):
         assert beat.running == 0, beat
         if beat.role == "prefill":
             assert stats["cache_tokens"] <= P_CACHE_TOKENS
-    after = await complete(session, stack, prompts[0])
+    after = await complete(session, stack, prompts[0], 16)
     assert len(after.token_ids) == 16

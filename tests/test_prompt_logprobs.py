@@ -23,8 +23,6 @@ from shared.model_runner import DecodeSequence, ModelRunner
 from shared.models import load_model
 from shared.names import Pipeline, Role
 from shared.sampling import SamplingParams, TokenLogprob
-from tools.launcher import LocalStack
-from tools.stack_config import StackConfig
 
 TOLERANCE = 1e-4
 
@@ -196,12 +194,7 @@ async def test_the_answer_waits_for_the_prompts_last_logprobs():
 LONG_TEXT = "Evaluation harnesses score a continuation by the sum of its tokens' logprobs. " * 10
 
 
-@pytest.fixture(scope="module")
-async def stack(tmp_path_factory):
-    config = StackConfig(pipeline="p-rld-md", model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"),
-                         torch_threads=1, chunk_tokens=64, startup_timeout_s=120)
-    async with LocalStack(config) as running:
-        yield running
+SHARE_STACK = True  # its tests only send requests
 
 
 @pytest.fixture

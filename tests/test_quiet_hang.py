@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -19,19 +18,21 @@ from tools.api_client import StreamResult, stream_completion
 from tools.launcher import LocalStack
 
 from helpers import random_prompt
-from test_two_dc import BASE_LINK, TOKEN_TIMEOUT_S, two_dc_config
+from test_two_dc import BASE_LINK, TOKEN_TIMEOUT_S
+from test_two_dc import STACK as TWO_DC
 
 PAIRS = 200
 PAIRS_AT_ONCE = 4  # pairs run side by side; within a pair the P-MD request follows the P-RLD-MD one
 MAX_TOKENS = 8  # enough that MD takes over (and keeps the prompt) rather than RLD finishing alone
 FIRST_TOKEN_S = 10.0
+STACK = TWO_DC
 
 
 @pytest.fixture(scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalStack]:
-    async with LocalStack(two_dc_config(tmp_path_factory.mktemp("quiet-hang"))) as running:
-        await running.wan.set_link(**BASE_LINK)
-        yield running
+async def stack(stack: LocalStack) -> LocalStack:
+    """conftest's stack, with the link at its base."""
+    await stack.wan.set_link(**BASE_LINK)
+    return stack
 
 
 async def first_token_within(session: aiohttp.ClientSession, stack: LocalStack, prompt: list[int],

@@ -9,45 +9,32 @@ the size P measures a link from), so a fresh prompt's 245 KB take MD 0.5 s after
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
 
 from tools.api_client import stream_completion
 from tools.launcher import LocalStack
-from tools.stack_config import StackConfig
 
-from helpers import fresh_heartbeats, random_prompt
+from helpers import complete, fresh_heartbeats, random_prompt, stack_config
 
 PROMPT_TOKENS = 240
 KV_BYTES_PER_TOKEN = 1024  # the tiny model, float32
-
-
-def held_stack_config(log_dir, *gateway_flags: str) -> StackConfig:
-    # the step guess is far below the tiny model's real pace: the first request is held, then released
-    return StackConfig(model="tiny", port=0, log_dir=log_dir, torch_threads=1, chunk_tokens=64, pipeline="auto",
-                       startup_timeout_s=120,
-                       extra_args={"gateway": ["--wan-mbps-guess", "4", "--decode-step-s-guess", "0.00001",
-                                               *gateway_flags]})
+# the step guess is far below the tiny model's real pace: the first request is held, then released
+HELD = ["--wan-mbps-guess", "4", "--decode-step-s-guess", "0.00001"]
+STACK = {"pipeline": "auto", "extra_args": {"gateway": HELD}}
+complete = functools.partial(complete, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-async def stack(tmp_path_factory):
-    async with LocalStack(held_stack_config(tmp_path_factory.mktemp("logs"))) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-async def stack_with_backfill(tmp_path_factory):
-    config = held_stack_config(tmp_path_factory.mktemp("logs"), "--backfill-link-share", "0.5")
+async def stack_with_backfill(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalStack]:
+    config = stack_config(tmp_path_factory.mktemp("backfill"), pipeline="auto",
+                          extra_args={"gateway": [*HELD, "--backfill-link-share", "0.5"]})
     async with LocalStack(config) as running:
         yield running
-
-
-async def complete(session, stack, prompt_ids, max_tokens):
-    body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    return await stream_completion(session, stack.api_url, body)
 
 
 async def gateway_counter(session: aiohttp.ClientSession, stack: LocalStack, name: str) -> float:

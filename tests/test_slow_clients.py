@@ -14,7 +14,6 @@ from yarl import URL
 from shared import bus, messages, subjects
 from tools.api_client import sse_events
 from tools.launcher import LocalStack
-from tools.stack_config import StackConfig
 
 from helpers import random_prompt
 
@@ -28,17 +27,13 @@ PROMPT_BYTE_BOUND = CONTEXT_TOKENS * BYTES_PER_TOKEN
 
 
 @pytest.fixture(scope="module")
-async def stack(tmp_path_factory):
+def stack_overrides(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     key_file = tmp_path_factory.mktemp("secrets") / "api"
     key_file.write_text(API_KEY)
-    config = StackConfig(model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1,
-                         pipeline="p-md", startup_timeout_s=120,
-                         extra_args={"gateway": ["--api-key-file", str(key_file),
-                                                 "--header-timeout-s", str(HEADER_TIMEOUT_S),
-                                                 "--body-timeout-s", str(BODY_TIMEOUT_S),
-                                                 "--max-prompt-bytes-per-token", str(BYTES_PER_TOKEN)]})
-    async with LocalStack(config) as running:
-        yield running
+    return {"pipeline": "p-md",
+            "extra_args": {"gateway": ["--api-key-file", str(key_file), "--header-timeout-s", str(HEADER_TIMEOUT_S),
+                                       "--body-timeout-s", str(BODY_TIMEOUT_S),
+                                       "--max-prompt-bytes-per-token", str(BYTES_PER_TOKEN)]}}
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ import pytest
 
 from shared.models import load_tokenizer, resolve_model
 from tools.api_client import stream_completion
-from tools.launcher import LocalStack
 from tools.stack_config import StackConfig
 
 from conftest import reference_generate
@@ -20,11 +19,8 @@ def smollm2_path():
 
 
 @pytest.fixture(scope="module")
-async def stack(smollm2_path, tmp_path_factory):
-    config = StackConfig(pipeline="p-rld-md", model="smollm2", port=0, log_dir=tmp_path_factory.mktemp("logs"),
-                         torch_threads=1, startup_timeout_s=300)
-    async with LocalStack(config) as running:
-        yield running
+def stack_overrides(smollm2_path) -> dict[str, object]:
+    return {"model": "smollm2", "chunk_tokens": StackConfig.chunk_tokens, "startup_timeout_s": 300}
 
 
 @pytest.mark.parametrize("pdd", [{"pipeline": "p-md"}, {"pipeline": "p-rld-md", "handoff_at": 6}])

@@ -14,12 +14,11 @@ from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
 from tools.api_client import stream_completion
-from tools.launcher import LocalStack
-from tools.stack_config import StackConfig
 
 from helpers import random_prompt
 
 MODEL = "tiny-llama"
+SHARE_STACK = True  # its tests only send requests
 
 
 class Forecast(BaseModel):
@@ -43,14 +42,6 @@ COLOURS = {"type": "object", "properties": {"colours": {
     "required": ["colours"], "additionalProperties": False}
 COLOURS_FORMAT = {"type": "json_schema", "json_schema": {"name": "colours", "schema": COLOURS, "strict": True}}
 USER = [{"role": "user", "content": "What is the weather in Lima this week?"}]
-
-
-@pytest.fixture(scope="module")
-async def stack(tmp_path_factory):
-    config = StackConfig(pipeline="p-rld-md", model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"),
-                         torch_threads=1, startup_timeout_s=120)
-    async with LocalStack(config) as running:
-        yield running
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable, Iterator
 
 import aiohttp
 import orjson
@@ -25,7 +25,7 @@ from services.gateway.observe.trace_store import TraceStore, parse_export
 from shared.kv_wire import FRAME_HEADER
 from tools.api_client import ApiError, stream_completion
 from tools.launcher import LocalStack
-from tools.stack_config import StackConfig, free_port
+from tools.stack_config import free_port
 
 CHUNK_TOKENS = 64
 STARTUP_TIMEOUT_S = 150.0
@@ -93,18 +93,14 @@ def test_timeline_puts_children_after_their_parent_on_one_axis():
 
 
 @pytest.fixture(scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalStack]:
+def stack_overrides() -> Iterator[dict[str, object]]:
     port = free_port()  # the gateway is every service's OTLP endpoint, so its port is chosen first
     endpoint = f"http://127.0.0.1:{port}/v1/traces"
-    config = StackConfig(pipeline="p-rld-md",
-        model="tiny", port=port, log_dir=tmp_path_factory.mktemp("tracing"), torch_threads=1,
-        chunk_tokens=CHUNK_TOKENS, startup_timeout_s=STARTUP_TIMEOUT_S, topology="two-dc",
-        wan_bandwidth_mbps=200.0, wan_delay_ms=5.0, wan_jitter_ms=0.0,
-        extra_args={role: ["--otlp-endpoint", endpoint] for role in ("gateway", "prefill", "relay", "main")})
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")  # export every 200 ms instead of every 5 s
-        async with LocalStack(config) as running:
-            yield running
+        yield {"port": port, "chunk_tokens": CHUNK_TOKENS, "startup_timeout_s": STARTUP_TIMEOUT_S,
+               "topology": "two-dc", "wan_bandwidth_mbps": 200.0, "wan_delay_ms": 5.0, "wan_jitter_ms": 0.0,
+               "extra_args": {role: ["--otlp-endpoint", endpoint] for role in ("gateway", "prefill", "relay", "main")}}
 
 
 async def wait_for_trace(session: aiohttp.ClientSession, stack: LocalStack, trace_id: str,

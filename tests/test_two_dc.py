@@ -23,7 +23,7 @@ from shared import bus, messages, subjects
 from shared.cpu_linears import adapt_linears
 from shared.model_runner import ATTENTION
 from shared.models import load_model
-from tools.api_client import ApiError, StreamResult, stream_completion
+from tools.api_client import ApiError
 from tools.cli import build_parser
 from tools.launcher import LocalStack
 from tools.stack_config import (
@@ -40,7 +40,7 @@ from tools.stack_config import (
 from wan.emulator import WanStats
 
 from conftest import reference_generate
-from helpers import process_alive
+from helpers import complete, process_alive, stack_config
 
 STARTUP_TIMEOUT_S = 150.0
 CHUNK_TOKENS = 64
@@ -52,23 +52,16 @@ BASE_LINK = {"bandwidth_mbps": 200.0, "delay_ms": 5.0, "jitter_ms": 0.0}
 Generate = Callable[[list[int], int], list[int]]
 
 
+STACK: dict[str, object] = {
+    "chunk_tokens": CHUNK_TOKENS, "startup_timeout_s": STARTUP_TIMEOUT_S, "topology": "two-dc", "wan_jitter_ms": 0.0,
+    "wan_bandwidth_mbps": BASE_LINK["bandwidth_mbps"], "wan_delay_ms": BASE_LINK["delay_ms"],
+    "extra_args": {"prefill": ["--kv-stall-timeout-s", str(KV_STALL_TIMEOUT_S)],
+                   "main": ["--kv-stall-timeout-s", str(KV_STALL_TIMEOUT_S)],
+                   "gateway": ["--token-timeout-s", str(TOKEN_TIMEOUT_S)]}}
+
+
 def two_dc_config(log_dir: Path, **overrides: object) -> StackConfig:
-    config: dict[str, object] = {
-        "model": "tiny", "pipeline": "p-rld-md", "port": 0, "log_dir": log_dir, "torch_threads": 1,
-        "chunk_tokens": CHUNK_TOKENS,
-        "startup_timeout_s": STARTUP_TIMEOUT_S, "topology": "two-dc", "wan_jitter_ms": 0.0,
-        "wan_bandwidth_mbps": BASE_LINK["bandwidth_mbps"], "wan_delay_ms": BASE_LINK["delay_ms"],
-        "extra_args": {"prefill": ["--kv-stall-timeout-s", str(KV_STALL_TIMEOUT_S)],
-                       "main": ["--kv-stall-timeout-s", str(KV_STALL_TIMEOUT_S)],
-                       "gateway": ["--token-timeout-s", str(TOKEN_TIMEOUT_S)]},
-        **overrides}
-    return StackConfig(**config)  # type: ignore[arg-type]
-
-
-@pytest.fixture(scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalStack]:
-    async with LocalStack(two_dc_config(tmp_path_factory.mktemp("two-dc"))) as running:
-        yield running
+    return stack_config(log_dir, **{**STACK, **overrides})
 
 
 @pytest.fixture
@@ -84,12 +77,6 @@ def random_prompt(seed: int, tokens: int) -> list[int]:
     """A prompt no other test sends, so neither P's cache nor MD's DRC holds any of it."""
     rng = random.Random(seed)
     return [rng.randrange(3, 49_000) for _ in range(tokens)]
-
-
-async def complete(session: aiohttp.ClientSession, stack: LocalStack, prompt_ids: list[int], max_tokens: int,
-                   **pdd: object) -> StreamResult:
-    body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "pdd": pdd}
-    return await stream_completion(session, stack.api_url, body)
 
 
 def route_bytes(stats: WanStats, route: str, direction: str) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -156,17 +155,12 @@ async def test_waiting_for_an_instance_gives_up_at_its_deadline():
 
 # --- on real processes -----------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalStack]:
-    stall = ["--kv-stall-timeout-s", str(KV_STALL_TIMEOUT_S)]
-    slow_prefill = [*stall, "--max-batch-tokens", str(PREFILL_BATCH_TOKENS)]  # few tokens per forward: P is slow
-    config = StackConfig(model="tiny", port=0, log_dir=tmp_path_factory.mktemp("under-load"), torch_threads=1,
-                         chunk_tokens=CHUNK_TOKENS, startup_timeout_s=120,
-                         extra_args={"prefill": slow_prefill, "relay": stall, "main": stall,
-                                     "gateway": ["--max-running-requests", str(MAX_RUNNING),
-                                                 "--max-queued-requests", str(MAX_QUEUED)]})
-    async with LocalStack(config) as running:
-        yield running
+STALL = ["--kv-stall-timeout-s", str(KV_STALL_TIMEOUT_S)]
+SLOW_PREFILL = [*STALL, "--max-batch-tokens", str(PREFILL_BATCH_TOKENS)]  # few tokens per forward: P is slow
+STACK = {"pipeline": StackConfig.pipeline, "chunk_tokens": CHUNK_TOKENS,
+         "extra_args": {"prefill": SLOW_PREFILL, "relay": STALL, "main": STALL,
+                        "gateway": ["--max-running-requests", str(MAX_RUNNING),
+                                    "--max-queued-requests", str(MAX_QUEUED)]}}
 
 
 async def gateway_metrics(session: aiohttp.ClientSession, stack: LocalStack) -> dict[str, float]:

@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 from shared import bus
 from tools.api_client import ApiError, StreamResult, stream_completion
 from tools.launcher import LocalStack
-from tools.stack_config import MD_KV_ROUTE, NATS_GW_A_ROUTE, NATS_GW_B_ROUTE, StackConfig
+from tools.stack_config import MD_KV_ROUTE, NATS_GW_A_ROUTE, NATS_GW_B_ROUTE
 
 from helpers import fresh_heartbeats, random_prompt
 
@@ -46,18 +46,12 @@ CLEAN_TIMEOUT_S = 5.0  # after the heal; an Abort the cut link lost comes again 
 # well before the request deadline (REQUEST_TIMEOUT_S after the cut) would free it
 
 
-@pytest.fixture(scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalStack]:
-    stall = ["--kv-stall-timeout-s", str(KV_STALL_TIMEOUT_S)]
-    config = StackConfig(pipeline="p-rld-md",
-        model="tiny", port=0, log_dir=tmp_path_factory.mktemp("wan-faults"), torch_threads=1, chunk_tokens=64,
-        startup_timeout_s=150, topology="two-dc", wan_bandwidth_mbps=BASE_LINK["bandwidth_mbps"],
-        wan_delay_ms=BASE_LINK["delay_ms"], wan_jitter_ms=BASE_LINK["jitter_ms"],
-        extra_args={"prefill": [*BEAT, *stall], "relay": BEAT, "main": [*BEAT, *stall],
-                    "gateway": [*BEAT, "--token-timeout-s", str(TOKEN_TIMEOUT_S),
-                                "--request-timeout-s", str(REQUEST_TIMEOUT_S)]})
-    async with LocalStack(config) as running:
-        yield running
+STALL = ["--kv-stall-timeout-s", str(KV_STALL_TIMEOUT_S)]
+STACK = {"topology": "two-dc", "wan_bandwidth_mbps": BASE_LINK["bandwidth_mbps"], "wan_delay_ms": BASE_LINK["delay_ms"],
+         "wan_jitter_ms": BASE_LINK["jitter_ms"],
+         "extra_args": {"prefill": [*BEAT, *STALL], "relay": BEAT, "main": [*BEAT, *STALL],
+                        "gateway": [*BEAT, "--token-timeout-s", str(TOKEN_TIMEOUT_S),
+                                    "--request-timeout-s", str(REQUEST_TIMEOUT_S)]}}
 
 
 @pytest.fixture
