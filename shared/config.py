@@ -301,8 +301,8 @@ class KVLimits:
     idle_timeout_s: float = 60.0  # a connection that starts no frame while it carries no open transfer
     read_window_s: float = 10.0  # inside a frame, each window this long must bring read_min_bytes
     read_min_bytes: int = 16 * 1024
-    max_connections: int = 256  # handshaking ones included
-    max_connections_per_peer: int = 64  # per peer IP address
+    max_connections: int = 256  # authenticated ones: a connection counts once its hello passes
+    max_connections_per_peer: int = 64  # authenticated ones, per peer IP address
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -323,10 +323,10 @@ class DecoderConfig:
     kv_read_window_s: float = flag(KVLimits.read_window_s, "inside a KV frame, each window this long must bring "
                                    "--kv-read-min-bytes (or the frame's rest), else the connection closes; 0: off")
     kv_read_min_bytes: int = flag(KVLimits.read_min_bytes)
-    kv_max_connections: int = flag(KVLimits.max_connections, "KV connections at once, handshaking ones included; "
-                                   "more are refused")
-    kv_max_connections_per_peer: int = flag(KVLimits.max_connections_per_peer, "KV connections at once from one "
-                                            "peer address")
+    kv_max_connections: int = flag(KVLimits.max_connections, "authenticated KV connections at once (one still "
+                                   "in its handshake does not count); more are refused")
+    kv_max_connections_per_peer: int = flag(KVLimits.max_connections_per_peer, "authenticated KV connections at once "
+                                            "from one peer address")
     engine: EngineConfig = EngineConfig()
 
     @staticmethod
