@@ -32,6 +32,10 @@ class Heartbeat:
     link_bytes_per_s: dict[str, float] = field(default_factory=dict)  # P: measured KV throughput per decoder
     stats: dict[str, float] = field(default_factory=dict)  # gauges: open inboxes/transfers, cache use, locks
     held: dict[str, list[str]] = field(default_factory=dict)  # decoders: gateway id -> request ids held for it
+    # What the gateway plans with (stats are gauges, for metrics and people): 0 where it does not apply
+    kv_budget_tokens: int = 0  # decoders: KV positions running requests may hold together (0: no limit)
+    chunk_tokens: int = 0  # P: prompt tokens per prefill chunk
+    kv_bytes_per_token: int = 0  # P: KV bytes one prompt token sends
 
 
 @dataclass(frozen=True)

@@ -87,3 +87,26 @@ def test_a_dict_keyed_by_role_members_encodes_as_their_strings() -> None:
     wire = orjson.loads(messages.encode(done))
     assert wire["kv_bytes"] == {"relay": 100, "main": 200}
     assert messages.decode(messages.encode(done)) == done
+
+
+def test_what_the_gateway_plans_with_travels_typed_in_the_heartbeat() -> None:
+    beat = Heartbeat(Role.PREFILL, "p-0", "", 0, "tiny", 0, 0, 1.0, stats={"open_transfers": 2},
+                     chunk_tokens=256, kv_bytes_per_token=46_080)
+    back = messages.decode(messages.encode(beat))
+    assert back == beat and back.chunk_tokens == 256 and back.kv_bytes_per_token == 46_080
+    assert back.kv_budget_tokens == 0 and "chunk_tokens" not in back.stats
+
+
+def test_the_decoders_kv_budget_from_their_heartbeats_caps_a_default_max_tokens() -> None:
+    from services.gateway.routing.dispatcher import fit_kv_budget
+    from services.gateway.routing.registry import Instance
+    from services.gateway.run.attempt import GenerationRequest
+    from shared.sampling import SamplingParams
+
+    def decoder(budget: int) -> Instance:
+        return Instance(Heartbeat(Role.MAIN, f"md-{budget}", "127.0.0.1", 1, "tiny", 0, 0, 1.0,
+                                  kv_budget_tokens=budget), last_seen=0.0)
+
+    req = GenerationRequest("req-" + "0" * 32, list(range(100)), SamplingParams(max_tokens=1000), None, None, 0.0)
+    fitted = fit_kv_budget(req, [decoder(0), decoder(300), decoder(500)])
+    assert fitted.sampling.max_tokens == 201  # 100 prompt positions + 200 fed outputs: the smallest budget, 300

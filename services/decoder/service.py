@@ -113,7 +113,8 @@ class DecoderService:
             if request.assign.owner and not request.backfill:  # a backfill is no longer the gateway's
                 held.setdefault(request.assign.owner, []).append(request.request_id)
         return Heartbeat(self.name, self.instance_id, self.config.advertise_host, self.advertise_port,
-                         self.layout.model_id, len(self.requests), self.engine.waiting, now(), {}, stats, held)
+                         self.layout.model_id, len(self.requests), self.engine.waiting, now(), {}, stats, held,
+                         kv_budget_tokens=self.engine.config.kv_budget_tokens)
 
     async def _on_assign(self, msg: Msg) -> None:
         try:

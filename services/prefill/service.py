@@ -114,7 +114,6 @@ class PrefillService:
         stats = {"open_transfers": sum(len(job.transfers) for job in self.jobs.values()),
                  "kv_connections": self.sender.open_connections,
                  "aborted_transfers": self.aborted_transfers, "kv_bytes_saved_by_abort": self.kv_bytes_saved_by_abort,
-                 "kv_bytes_per_token": self.kv_bytes_per_token, "chunk_tokens": self.config.chunk_tokens,
                  "relay_finished_wan_bytes": self.relay_finished_wan_bytes,
                  "relay_finished_kv_bytes": self.relay_finished_kv_bytes,
                  "backfill_wan_bytes": self.backfill_wan_bytes,
@@ -122,7 +121,8 @@ class PrefillService:
                  **{f"backfills_{outcome}": n for outcome, n in self.backfills.items()},
                  **(self.cache.gauges() if self.cache is not None else {})}
         return Heartbeat(ROLE, self.instance_id, "", 0, self.layout.model_id, len(self.jobs), 0, now(),
-                         dict(self.sender.throughput.bytes_per_s), stats)
+                         dict(self.sender.throughput.bytes_per_s), stats,
+                         chunk_tokens=self.config.chunk_tokens, kv_bytes_per_token=self.kv_bytes_per_token)
 
     @property
     def _prefix_cache(self) -> CacheWorker:

@@ -351,7 +351,7 @@ def fit_kv_budget(req: GenerationRequest, decoders: list[Instance]) -> Generatio
     that could outgrow it. The gateway's default max_tokens (the rest of the context) is lowered to
     fit; a prompt, or a max_tokens the client set, that cannot fit is the client's 400, not a
     decoder's failure to retry."""
-    budgets = [int(d.heartbeat.stats.get("kv_budget_tokens", 0)) for d in decoders]
+    budgets = [d.heartbeat.kv_budget_tokens for d in decoders]
     limit = min((b for b in budgets if b > 0), default=0)
     prompt_tokens, max_tokens = len(req.prompt_ids), req.sampling.max_tokens
     if not limit or prompt_tokens + max_tokens - 1 <= limit:

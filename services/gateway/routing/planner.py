@@ -99,8 +99,8 @@ class Planner:
             relay_round_trip_s=(path_round_trip_s(prefill_ping, round_trips.get(relay.heartbeat.instance_id, 0.0))
                                 if relay is not None else 0.0),
             relay_step_s=self.costs.step_s(Role.RELAY) or self.config.decode_step_s_guess,
-            prefill_chunk_tokens=int(prefill.heartbeat.stats.get("chunk_tokens", 0)) or Estimate.prefill_chunk_tokens)
-        kv_bytes_per_token = int(prefill.heartbeat.stats.get("kv_bytes_per_token", 0))
+            prefill_chunk_tokens=prefill.heartbeat.chunk_tokens or Estimate.prefill_chunk_tokens)
+        kv_bytes_per_token = prefill.heartbeat.kv_bytes_per_token
         decision = choose_pipeline(self.policy, len(req.prompt_ids), req.sampling.max_tokens, main_hit,
                                    kv_bytes_per_token, estimate, prefill_hit)
         default = None if self.config.default_pipeline == AUTO else Pipeline(self.config.default_pipeline)
