@@ -45,6 +45,19 @@ async def _settled(queued: list[asyncio.Future]) -> None:
     await asyncio.gather(*futures)
 
 
+def _adopt_arrived(request: DecodeRequest, takeover: Takeover, handoff: Handoff) -> Adoption:
+    """Adopt `handoff` and every chunk that arrived meanwhile, in order, into the request's output;
+    stops at the cut, or where RLD says it finished the request."""
+    while True:
+        adoption = takeover.adopt(handoff)
+        if adoption.move is Move.RELAY_FINISHED:
+            return adoption
+        request.sequence.output_ids.extend(adoption.new_ids)
+        if adoption.move is Move.CUT or request.peer_messages.empty():
+            return adoption
+        handoff = _handoff(request.peer_messages.get_nowait())
+
+
 def _handoff(message: PeerMessage) -> Handoff:
     """MD's peer messages are RLD's handoffs: _on_handoff queues nothing else."""
     assert isinstance(message, Handoff), message
@@ -153,7 +166,6 @@ class MainRole(CachingRole):
         without a report is queued, not awaited: the cut's pass, queued behind it, joins it in one
         row while it still waits for MD's step. None if RLD finished the request itself.
         """
-        seq = request.sequence
         kv_wait_s = time.monotonic() - request.assigned_at
         t0 = time.monotonic()
         takeover = Takeover(request.assign.prompt_ids[-1])
@@ -165,32 +177,15 @@ class MainRole(CachingRole):
                 while True:
                     handoff = _handoff(await request.next_peer_message(f"RLD never handed off {request.request_id}"))
                     first = takeover.adopted
-                    while True:
-                        adoption = takeover.adopt(handoff)
-                        if adoption.move is Move.RELAY_FINISHED:
-                            span.set_attribute("pdd.relay_finished", True)
-                            for future in queued:
-                                future.cancel()  # MD drops the request: what is still queued need not run
-                            return None
-                        seq.output_ids.extend(adoption.new_ids)
-                        if adoption.move is Move.CUT or request.peer_messages.empty():
-                            break
-                        handoff = _handoff(request.peer_messages.get_nowait())
+                    adoption = _adopt_arrived(request, takeover, handoff)
+                    if adoption.move is Move.RELAY_FINISHED:
+                        span.set_attribute("pdd.relay_finished", True)
+                        for future in queued:
+                            future.cancel()  # MD drops the request: what is still queued need not run
+                        return None
                     if adoption.move is Move.CUT:
                         break
-                    catch_up = takeover.catch_up_pass(request.cut_announced)
-                    if catch_up is Pass.COLLECT:
-                        continue
-                    with io.tracer.start_as_current_span("main.catch_up_chunk") as chunk_span:
-                        chunk_span.set_attributes({"pdd.start": first, "pdd.tokens": takeover.adopted - first,
-                                                   "pdd.report": catch_up is Pass.REPORT})
-                        feed = takeover.take_unfed()
-                        if feed:
-                            queued.append(io.extend(request, feed))
-                        if catch_up is Pass.REPORT:
-                            await _settled(queued)
-                    if catch_up is Pass.REPORT:
-                        await self._report_progress(request, io, takeover)
+                    await self._catch_up(request, io, takeover, queued, first)
                 span.set_attributes({"pdd.eager_tokens": takeover.adopted, "pdd.handoff_mode": takeover.mode or "",
                                      "pdd.chunks": takeover.chunks})
         except BaseException:
@@ -198,6 +193,24 @@ class MainRole(CachingRole):
                 future.cancel()  # the request fails: what is still queued need not run
             raise
         return _Cut(adoption, queued, takeover.stats(request.request_id, kv_wait_s, time.monotonic() - t0))
+
+    async def _catch_up(self, request: DecodeRequest, io: DecoderIO, takeover: Takeover,
+                        queued: list[asyncio.Future], first: int) -> None:
+        """The pass over what was adopted since `first`, if Catch-Up runs one now: queued, and awaited
+        with a report to RLD when the takeover says so."""
+        catch_up = takeover.catch_up_pass(request.cut_announced)
+        if catch_up is Pass.COLLECT:
+            return
+        with io.tracer.start_as_current_span("main.catch_up_chunk") as chunk_span:
+            chunk_span.set_attributes({"pdd.start": first, "pdd.tokens": takeover.adopted - first,
+                                       "pdd.report": catch_up is Pass.REPORT})
+            feed = takeover.take_unfed()
+            if feed:
+                queued.append(io.extend(request, feed))
+            if catch_up is Pass.REPORT:
+                await _settled(queued)
+        if catch_up is Pass.REPORT:
+            await self._report_progress(request, io, takeover)
 
     async def _report_progress(self, request: DecodeRequest, io: DecoderIO, takeover: Takeover) -> None:
         relay = request.assign.relay_instance
