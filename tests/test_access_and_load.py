@@ -11,26 +11,20 @@ import pytest
 
 from shared import bus, kv_wire, messages, subjects
 from tools.api_client import ApiError, stream_completion
-from tools.launcher import LocalStack
-from tools.stack_config import StackConfig
 
 API_KEY = "test-key-123"
 MAX_RUNNING = 2
 
 
 @pytest.fixture(scope="module")
-async def stack(tmp_path_factory):
+def stack_overrides(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     secrets_dir = tmp_path_factory.mktemp("secrets")
     (secrets_dir / "kv").write_text("kv-shared-secret\n")
     (secrets_dir / "api").write_text(API_KEY)
     kv = ["--kv-secret-file", str(secrets_dir / "kv"), "--heartbeat-s", "0.25"]
-    config = StackConfig(model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1,
-                         pipeline="p-rld-md", startup_timeout_s=120,
-                         api_key_file=secrets_dir / "api", max_running_requests=MAX_RUNNING,  # pdd up's flags
-                         extra_args={"prefill": kv, "relay": kv, "main": kv,
-                                     "gateway": ["--max-queued-requests", "0"]})  # refuse at once
-    async with LocalStack(config) as running:
-        yield running
+    return {"chunk_tokens": 256, "api_key_file": secrets_dir / "api", "max_running_requests": MAX_RUNNING,  # pdd up's
+            "extra_args": {"prefill": kv, "relay": kv, "main": kv,
+                           "gateway": ["--max-queued-requests", "0"]}}  # refuse at once
 
 
 @pytest.fixture(scope="module")

@@ -12,23 +12,16 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tools.api_client import ApiError, stream_completion
-from tools.launcher import LocalStack
-from tools.stack_config import StackConfig
 
 from helpers import fresh_heartbeats, random_prompt
 
 BEAT = ["--heartbeat-s", "0.25"]
 
 
-@pytest.fixture(scope="module")
-async def stack(tmp_path_factory):
-    config = StackConfig(model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1,
-                         pipeline="p-md", startup_timeout_s=120,
-                         extra_args={"prefill": BEAT, "relay": BEAT, "main": BEAT,
-                                     "gateway": [*BEAT, "--instance-wait-s", "1", "--token-timeout-s", "20",
-                                                 "--request-timeout-s", "60"]})
-    async with LocalStack(config) as running:
-        yield running
+STACK = {"pipeline": "p-md", "chunk_tokens": 256,
+         "extra_args": {"prefill": BEAT, "relay": BEAT, "main": BEAT,
+                        "gateway": [*BEAT, "--instance-wait-s", "1", "--token-timeout-s", "20",
+                                    "--request-timeout-s", "60"]}}
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,6 @@ from __future__ import annotations
 import pytest
 
 from tools.api_client import ApiError, stream_completion
-from tools.launcher import LocalStack
-from tools.stack_config import StackConfig
 
 from helpers import random_prompt
 
@@ -16,13 +14,8 @@ BUDGET = 400  # KV positions on RLD and MD, a fifth of the tiny model's context 
 PROMPT_TOKENS = 100
 
 
-@pytest.fixture(scope="module")
-async def stack(tmp_path_factory):
-    budget = ["--kv-budget-tokens", str(BUDGET)]
-    config = StackConfig(model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1,
-                         startup_timeout_s=120, extra_args={"main": budget, "relay": budget})
-    async with LocalStack(config) as running:
-        yield running
+STACK = {"pipeline": "auto", "chunk_tokens": 256,
+         "extra_args": {"main": ["--kv-budget-tokens", str(BUDGET)], "relay": ["--kv-budget-tokens", str(BUDGET)]}}
 
 
 @pytest.mark.parametrize("pipeline", ["p-md", "p-rld-md"])

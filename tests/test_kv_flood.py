@@ -8,7 +8,6 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator
 
-import pytest
 import torch
 
 from shared.kv_receiver import KVReceiver
@@ -18,8 +17,6 @@ from shared.messages import KVTarget
 from shared.models import KVLayout
 from shared.names import Role
 from tools.api_client import stream_completion
-from tools.launcher import LocalStack
-from tools.stack_config import StackConfig
 
 from helpers import fresh_heartbeats, random_prompt
 
@@ -99,15 +96,10 @@ async def test_p_gets_through_a_flood_of_unauthenticated_connections_from_its_ow
         await receiver.stop()
 
 
-@pytest.fixture(scope="module")
-async def stack(tmp_path_factory) -> AsyncIterator[LocalStack]:
-    """`pdd up`'s defaults (a KV secret), with decoders that close an idle KV connection after
-    IDLE_S: P retires its connections at half that, and dials the decoders afresh into the flood."""
-    idle = ["--kv-idle-timeout-s", str(IDLE_S)]
-    config = StackConfig(model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1,
-                         pipeline="p-rld-md", extra_args={"relay": idle, "main": idle})
-    async with LocalStack(config) as running:
-        yield running
+# `pdd up`'s defaults (a KV secret), with decoders that close an idle KV connection after IDLE_S: P
+# retires its connections at half that, and dials the decoders afresh into the flood.
+STACK = {"chunk_tokens": 256,
+         "extra_args": {"relay": ["--kv-idle-timeout-s", str(IDLE_S)], "main": ["--kv-idle-timeout-s", str(IDLE_S)]}}
 
 
 async def test_sixteen_requests_complete_token_exact_while_rld_and_md_kv_ports_are_flooded(

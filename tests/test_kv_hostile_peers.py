@@ -26,8 +26,7 @@ from shared.messages import KVTarget
 from shared.models import KVLayout, kv_layout
 from shared.names import Role
 from tools.api_client import stream_completion
-from tools.launcher import LocalStack
-from tools.stack_config import KV_SECRET_FILE, StackConfig
+from tools.stack_config import KV_SECRET_FILE
 
 from helpers import fresh_heartbeats, random_prompt
 
@@ -72,12 +71,7 @@ async def main_heartbeat(nats_url: str):
     return (await fresh_heartbeats(nats_url, ("main",)))["main"]
 
 
-@pytest.fixture(scope="module")
-async def stack(tmp_path_factory):
-    """`pdd up` as an operator runs it: default config, no secret given."""
-    config = StackConfig(model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1)
-    async with LocalStack(config) as running:
-        yield running
+STACK = {"pipeline": "auto", "chunk_tokens": 256}  # `pdd up` as an operator runs it: default config, no secret given
 
 
 async def connect(port: int, layout: KVLayout = LAYOUT, secret: bytes | None = None, source: str = "127.0.0.1",

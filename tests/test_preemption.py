@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 from tools.api_client import stream_completion
-from tools.launcher import LocalStack
-from tools.stack_config import StackConfig
 
 from helpers import fresh_heartbeats, random_prompt
 
@@ -22,13 +18,8 @@ CONTEXT = 2048  # the tiny model's
 PROMPT_TOKENS = 100
 
 
-@pytest.fixture(scope="module")
-async def stack(tmp_path_factory):
-    config = StackConfig(model="tiny", port=0, log_dir=tmp_path_factory.mktemp("logs"), torch_threads=1,
-                         pipeline="p-md", startup_timeout_s=120,
-                         extra_args={"main": ["--kv-budget-tokens", "2200", "--kv-grow-tokens", "32"]})
-    async with LocalStack(config) as running:
-        yield running
+STACK = {"pipeline": "p-md", "chunk_tokens": 256,
+         "extra_args": {"main": ["--kv-budget-tokens", "2200", "--kv-grow-tokens", "32"]}}
 
 
 async def test_without_max_tokens_the_answer_runs_to_the_end_of_the_context(stack, session, tiny_generate):
