@@ -55,6 +55,7 @@ class ConstraintKind(str, Enum):
     JSON_OBJECT = "json_object"
     JSON_SCHEMA = "json_schema"
     TOOL_CALLS = "tool_calls"
+    TOOL_CALLS_OR_JSON = "tool_calls_or_json"  # tool_choice "auto" beside a response_format
 
 
 @dataclass(frozen=True)
@@ -72,22 +73,43 @@ class Constraint:
 
 # ---- building constraints (gateway, at request time) ----
 
-def constraint_for_response_format(response_format: object) -> Constraint | None:
-    """OpenAI's `response_format`: None for text, a constraint for json_object and json_schema."""
+@dataclass(frozen=True)
+class AnswerFormat:
+    """What `response_format` asks the answer's text to be: JSON, or JSON following a schema."""
+
+    kind: ConstraintKind  # JSON_OBJECT or JSON_SCHEMA
+    schema: dict[str, object]  # closed (closed_objects); {"type": "object"} for json_object
+    param: str  # the field that gave the schema, for errors
+
+    def constraint(self) -> Constraint:
+        return Constraint(self.kind, _json_grammar(self.schema, self.param))
+
+
+def answer_format(response_format: object) -> AnswerFormat | None:
+    """OpenAI's `response_format`, checked: None for text. `{"type": "json_object", "schema": {...}}`
+    (Fireworks' and Together's spelling) is honoured as that schema, never silently widened to any object."""
     if not isinstance(response_format, Mapping):
         raise InvalidConstraint("response_format", "response_format must be an object with a type")
     kind = response_format.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise InvalidConstraint("response_format.type",
+                                "response_format.type must be one of 'text', 'json_object', 'json_schema'")
+    allowed = {"text": {"type"}, "json_object": {"type", "schema"}, "json_schema": {"type", "json_schema"}}[kind]
+    _no_unknown_keys(response_format, allowed, "response_format")
     if kind == "text":
         return None
     if kind == "json_object":
-        return Constraint(ConstraintKind.JSON_OBJECT, _json_grammar({"type": "object"}, "response_format"))
-    if kind != "json_schema":
-        raise InvalidConstraint("response_format.type",
-                                "response_format.type must be one of 'text', 'json_object', 'json_schema'")
+        schema = response_format.get("schema")
+        if schema is None:
+            return AnswerFormat(ConstraintKind.JSON_OBJECT, {"type": "object"}, "response_format")
+        if not isinstance(schema, Mapping):
+            raise InvalidConstraint("response_format.schema", "response_format.schema must be a JSON schema object")
+        return AnswerFormat(ConstraintKind.JSON_SCHEMA, closed_objects(schema), "response_format.schema")
     spec = response_format.get("json_schema")
     if not isinstance(spec, Mapping):
         raise InvalidConstraint("response_format.json_schema",
                                 "response_format.json_schema must be an object with name and schema")
+    _no_unknown_keys(spec, {"name", "description", "schema", "strict"}, "response_format.json_schema")
     name = spec.get("name")
     if not isinstance(name, str) or not SCHEMA_NAME.match(name):
         raise InvalidConstraint("response_format.json_schema.name", "response_format.json_schema.name must be "
@@ -100,8 +122,13 @@ def constraint_for_response_format(response_format: object) -> Constraint | None
     if not isinstance(schema, Mapping):
         raise InvalidConstraint("response_format.json_schema.schema",
                                 "response_format.json_schema.schema must be a JSON schema object")
-    return Constraint(ConstraintKind.JSON_SCHEMA, _json_grammar(closed_objects(schema),
-                                                                "response_format.json_schema.schema"))
+    return AnswerFormat(ConstraintKind.JSON_SCHEMA, closed_objects(schema), "response_format.json_schema.schema")
+
+
+def constraint_for_response_format(response_format: object) -> Constraint | None:
+    """OpenAI's `response_format`: None for text, a constraint for json_object and json_schema."""
+    fmt = answer_format(response_format)
+    return None if fmt is None else fmt.constraint()
 
 
 def check_json_schema(schema: Mapping[str, object], param: str) -> None:
@@ -110,30 +137,51 @@ def check_json_schema(schema: Mapping[str, object], param: str) -> None:
 
 
 def constraint_for_tool_calls(parameters_by_name: Mapping[str, Mapping[str, object]], *,
-                              only: str | None = None, single: bool = False) -> Constraint:
+                              only: str | None = None, single: bool = False,
+                              or_answer: AnswerFormat | None = None) -> Constraint:
     """One or more Hermes tool calls to any of the tools (tool_choice "required"; exactly one when
     `single`, parallel_tool_calls false), or exactly one call to the tool named `only` (a named
-    tool_choice). Each call is, then the answer ends:
+    tool_choice); with `or_answer` (tool_choice "auto" beside a response_format), either those calls
+    or an answer in that format. Each call is, then the answer ends:
 
-        <tool_call>\\n{"name": "<name>", "arguments": <that tool's parameters schema>}\\n</tool_call>
+        <tool_call>\n{"name": "<name>", "arguments": <that tool's parameters schema>}\n</tool_call>
 
     calls separated by one newline. `parameters_by_name`: each tool's `parameters` schema (already
-    checked with check_json_schema).
+    checked with check_json_schema). Each schema is a JSON grammar of its own, so its `#/$defs/...`
+    refer to its own root, as they do when the schema stands alone.
     """
     names = [only] if only is not None else list(parameters_by_name)
     if not names:
         raise InvalidConstraint("tools", "tool calls need at least one tool")
-    calls = [{"type": "object",
-              "properties": {"name": {"const": name}, "arguments": closed_objects(parameters_by_name[name])},
-              "required": ["name", "arguments"], "additionalProperties": False} for name in names]
-    body = {"anyOf": calls, "x-guidance": JSON_STYLE} if len(calls) > 1 else {**calls[0], "x-guidance": JSON_STYLE}
+    functions = [f"fn_{i}" for i in range(len(names))]
     repeat = "" if only is not None or single else ' ("\\n" call)*'
-    lark = (f"start: call{repeat}\n"
-            f"call: {json.dumps(TOOL_CALL_OPEN + chr(10))} body {json.dumps(chr(10) + TOOL_CALL_CLOSE)}\n"
-            f"body: %json {json.dumps(body)}\n")
-    grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    rules = [f"calls: call{repeat}",
+             f"call: {json.dumps(TOOL_CALL_OPEN + chr(10))} ({' | '.join(functions)}) "
+             f"{json.dumps(chr(10) + TOOL_CALL_CLOSE)}"]
+    for i, name in enumerate(names):
+        head = json.dumps({"name": name, "arguments": None})[:-len("null}")]  # '{"name": "<name>", "arguments": '
+        rules.append(f"fn_{i}: {json.dumps(head)} args_{i} \"}}\"")
+        rules.append(f"args_{i}: %json {_styled(closed_objects(parameters_by_name[name]))}")
+    if or_answer is None:
+        start = "start: calls"
+    else:
+        start = "start: calls | answer"
+        rules.append(f"answer: %json {_styled(or_answer.schema)}")
+    grammar = llguidance.LLMatcher.grammar_from_lark("\n".join([start, *rules]) + "\n")
     _check(grammar, "tool_choice" if only is not None else "tools")
-    return Constraint(ConstraintKind.TOOL_CALLS, grammar)
+    kind = ConstraintKind.TOOL_CALLS if or_answer is None else ConstraintKind.TOOL_CALLS_OR_JSON
+    return Constraint(kind, grammar)
+
+
+def _styled(schema: Mapping[str, object]) -> str:
+    return json.dumps({**schema, "x-guidance": JSON_STYLE})
+
+
+def _no_unknown_keys(spec: Mapping[str, object], allowed: set[str], param: str) -> None:
+    unknown = sorted(set(spec) - allowed)
+    if unknown:
+        raise InvalidConstraint(f"{param}.{unknown[0]}", f"{param} has unknown fields {unknown}; it takes "
+                                                         f"{sorted(allowed)}")
 
 
 @overload

@@ -19,6 +19,7 @@ from shared.grammar import (
     GrammarDiverged,
     GrammarState,
     InvalidConstraint,
+    answer_format,
     check_json_schema,
     constraint_for_response_format,
     constraint_for_tool_calls,
@@ -45,6 +46,19 @@ TOOLS = {
                     "required": ["city", "unit", "days"], "additionalProperties": False},
     "add": {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
             "required": ["x", "y"], "additionalProperties": False},
+    # as pydantic writes a nested model and an enum: each tool's `#/$defs/...` is its own, and the
+    # two `Color`s differ, so a grammar that resolved either against a shared root would be wrong
+    "paint": {"$defs": {"Color": {"enum": ["red", "green"], "type": "string"},
+                        "Point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0,
+                                                                         "maximum": 9}},
+                                  "required": ["x"]}},
+              "type": "object", "properties": {"color": {"$ref": "#/$defs/Color"},
+                                               "at": {"$ref": "#/$defs/Point"}},
+              "required": ["color", "at"]},
+    "fill": {"$defs": {"Color": {"enum": ["cyan", "magenta"], "type": "string"}},
+             "type": "object", "properties": {"colors": {"type": "array", "items": {"$ref": "#/$defs/Color"},
+                                                         "minItems": 1, "maxItems": 3}},
+             "required": ["colors"]},
 }
 TOOL_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
 MAX_TOKENS = 500
@@ -126,6 +140,11 @@ CASES = {
     "named_tool": (lambda: constraint_for_tool_calls(TOOLS, only="get_weather"),
                    lambda text: check_tool_calls(text, {"get_weather"}, most=1)),
     "required_tools": (lambda: constraint_for_tool_calls(TOOLS), lambda text: check_tool_calls(text, set(TOOLS), None)),
+    "named_tool_with_defs": (lambda: constraint_for_tool_calls(TOOLS, only="fill"),
+                             lambda text: check_tool_calls(text, {"fill"}, most=1)),
+    "calls_or_answer": (lambda: constraint_for_tool_calls(TOOLS, or_answer=answer_format(
+        {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})),
+        lambda text: check_tool_calls(text, set(TOOLS), None) if text.startswith("<") else check_person(text)),
 }
 
 
@@ -217,6 +236,14 @@ def test_a_constraint_round_trips_through_json() -> None:
     assert constraint_for_response_format({"type": "text"}) is None
 
 
+def test_json_object_with_a_schema_follows_the_schema() -> None:
+    """{"type": "json_object", "schema": ...} (Fireworks' and Together's spelling) is that schema, not any object."""
+    fmt = answer_format({"type": "json_object", "schema": PERSON})
+    assert fmt is not None and fmt.kind is ConstraintKind.JSON_SCHEMA and fmt.param == "response_format.schema"
+    assert fmt.constraint() == constraint_for_response_format(
+        {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+
+
 @pytest.mark.parametrize("response_format, param", [
     ("json", "response_format"),
     ({"type": "bogus"}, "response_format.type"),
@@ -232,11 +259,46 @@ def test_a_constraint_round_trips_through_json() -> None:
      "response_format.json_schema.schema"),
     ({"type": "json_schema", "json_schema": {"name": "p", "schema": {"$ref": "#/$defs/missing"}}},
      "response_format.json_schema.schema"),
+    ({"type": "json_object", "schema": {"type": "bogus"}}, "response_format.schema"),
+    ({"type": "json_object", "schema": "x"}, "response_format.schema"),
+    ({"type": "json_object", "json_schema": {"name": "p", "schema": PERSON}}, "response_format.json_schema"),
+    ({"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strickt": True}},
+     "response_format.json_schema.strickt"),
 ])
 def test_a_bad_response_format_names_the_field(response_format: object, param: str) -> None:
     with pytest.raises(InvalidConstraint) as raised:
         constraint_for_response_format(response_format)
     assert raised.value.param == param
+
+
+def test_each_tool_schema_keeps_its_own_defs(vocab: Vocab) -> None:
+    """A call is checked against its own tool's $defs: `fill` takes its Color (cyan, magenta), never
+    `paint`'s, and a $ref that only resolves against another tool's root is no schema at all."""
+    state = vocab.grammars.new_state(constraint_for_tool_calls(TOOLS))
+    good = '<tool_call>\n{"name": "fill", "arguments": {"colors": ["cyan"]}}\n</tool_call>'
+    state.replay(vocab.tokenizer.encode(good, add_special_tokens=False))
+    assert state.finished or allowed(vocab, state)[vocab.eos]
+    wrong = vocab.grammars.new_state(constraint_for_tool_calls(TOOLS))
+    with pytest.raises(GrammarDiverged):
+        wrong.replay(vocab.tokenizer.encode('<tool_call>\n{"name": "fill", "arguments": {"colors": ["red"]}}',
+                                            add_special_tokens=False))
+    with pytest.raises(InvalidConstraint) as raised:
+        check_json_schema({"properties": {"c": {"$ref": "#/$defs/Color"}}}, "tools[0].function.parameters")
+    assert raised.value.param == "tools[0].function.parameters"
+
+
+def test_calls_or_answer_admits_either_and_nothing_else(vocab: Vocab) -> None:
+    constraint = constraint_for_tool_calls(TOOLS, single=True, or_answer=answer_format(
+        {"type": "json_object", "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                           "required": ["ok"]}}))
+    assert constraint.kind is ConstraintKind.TOOL_CALLS_OR_JSON
+    for text in ('{"ok": true}', '<tool_call>\n{"name": "add", "arguments": {"x": 1, "y": 2}}\n</tool_call>'):
+        state = vocab.grammars.new_state(constraint)
+        state.replay(vocab.tokenizer.encode(text, add_special_tokens=False))
+        assert allowed(vocab, state)[vocab.eos], text
+    for text in ('{"ok": 1}', 'Sure, {"ok": true}', '{"ok": true}<tool_call>'):
+        with pytest.raises(GrammarDiverged):
+            vocab.grammars.new_state(constraint).replay(vocab.tokenizer.encode(text, add_special_tokens=False))
 
 
 def test_bad_tool_schemas_name_the_field() -> None:

@@ -24,6 +24,8 @@ from services.gateway.http.http_errors import error_middleware, error_payload
 from services.gateway.http.openai_api import OpenAIHandlers
 from services.gateway.http.request_parsing import (
     NOT_HONOURED,
+    OPENAI_CHAT_FIELDS,
+    OPENAI_COMPLETION_FIELDS,
     InvalidParam,
     ModelNotFound,
     ParsedRequest,
@@ -355,14 +357,56 @@ def test_body_must_be_a_json_object(tokenizer):
             parse_chat_request(body, tokenizer, MODEL, CONFIG, CONTEXT)
 
 
-def test_malformed_or_oversized_json_is_refused():
-    with pytest.raises(BadRequest, match="not valid JSON"):
-        decode_json_body(b'{"model": ', 100)
-    with pytest.raises(BadRequest, match="not valid JSON"):
-        decode_json_body(b'"\xff\xfe"', 100)
+@pytest.mark.parametrize("raw, says", [
+    (b'{"model": ', "unexpected end of data at line 1 column 11"),
+    (b'{"prompt": "\xff\xfe"}', "byte 12 (0xff) is not UTF-8"),
+    (b'{"prompt": "\xed\xa0\x80"}', "byte 12 (0xed) is not UTF-8"),  # an encoded surrogate, as orjson words it
+    (b"[" * 100_000, "it nests arrays and objects deeper than 1024 levels"),
+    (b"", "the body is empty"),
+])
+def test_a_body_that_is_not_utf8_json_says_so_and_where(raw, says):
+    with pytest.raises(BadRequest) as info:
+        decode_json_body(raw, 10**6)
+    assert str(info.value) == f"the request body is not valid UTF-8 JSON: {says}"
+    assert getattr(info.value, "param", None) is None and "surrogates" not in str(info.value)
+
+
+def test_oversized_json_is_refused():
     with pytest.raises(PayloadTooLarge):
         decode_json_body(b" " * 101, 100)
     assert decode_json_body(b'{"a": 1}', 100) == {"a": 1}
+
+
+@pytest.mark.parametrize("kind, body, param, says", [
+    ("chat", {"messages": USER_HI, "foo": 1}, "foo", "unknown field 'foo'"),
+    ("chat", {"messages": USER_HI, "max_token": 3}, "max_token", "'max_token' (did you mean 'max_tokens'?)"),
+    ("chat", {"messages": USER_HI, "zeta": 1, "alpha": None}, "alpha", "unknown fields 'alpha', 'zeta'"),
+    ("chat", {"messages": USER_HI, "prompt": "x"}, "prompt", "unknown field 'prompt'"),
+    ("completion", {"prompt": "x", "tools": []}, "tools", "unknown field 'tools'"),
+    ("completion", {"prompt": "x", "max_completion_tokens": 3}, "max_completion_tokens", "unknown field"),
+    ("completion", {"prompt": "x", "max_token": 3}, "max_token", "did you mean 'max_tokens'?"),
+])
+def test_unknown_fields_are_refused_naming_them(tokenizer, kind, body, param, says):
+    """A typo is told, never served as if the field were absent (issue 42: "max_token" made 30 tokens)."""
+    with pytest.raises(InvalidParam) as info:
+        (chat if kind == "chat" else completion)(tokenizer, body)
+    assert info.value.param == param and says in str(info.value)
+
+
+def test_every_field_the_openai_client_sends_is_known_and_documented_vendor_fields_too(tokenizer):
+    import typing
+
+    from openai.types import completion_create_params as completions_params
+    from openai.types.chat import completion_create_params as chat_params
+
+    assert set(typing.get_type_hints(chat_params.CompletionCreateParamsBase)) | {"stream"} == set(OPENAI_CHAT_FIELDS)
+    assert set(typing.get_type_hints(completions_params.CompletionCreateParamsBase)) | {"stream"} == \
+        set(OPENAI_COMPLETION_FIELDS)
+    vendor = {"pdd": {"pipeline": "p-md"}, "top_k": 5, "ignore_eos": False, "stop_token_ids": [2], "min_tokens": 1,
+              "include_stop_str_in_output": False, "repetition_penalty": 1.1, "min_p": 0.1}
+    format_fields = {"response_format": {"type": "json_object"}, **vendor, "min_tokens": 0}
+    assert chat(tokenizer, {"messages": USER_HI, **vendor}).sampling.top_k == 5
+    assert completion(tokenizer, {"prompt": "x", **format_fields}).sampling.min_p
 
 
 _json = st.recursive(
@@ -458,6 +502,7 @@ class FakeRun:
         self.cached_tokens = 3
         self.handoff: HandoffStats | None = None
         self.cut_index = relay_tokens or None  # the run decides the cut; the HTTP layer reads it
+        self.prefill = None  # P's report never comes: choices 1... start when choice 0 has finished
         self.recovery = None
         self._first_token_gate = first_token_gate
         self.close_reasons: list[str] = []
@@ -785,7 +830,10 @@ async def test_raw_http_errors_have_the_openai_shape(tokenizer):
                 return r.status, await r.json()
 
         status, body = await post("/chat/completions", b'{"messages": [')
-        assert status == 400 and "not valid JSON" in body["error"]["message"]
+        assert status == 400 and "not valid UTF-8 JSON" in body["error"]["message"]
+        status, body = await post("/chat/completions", b'{"messages": [{"role": "user", "content": "\xff"}]}')
+        assert status == 400 and body["error"]["param"] is None
+        assert body["error"]["message"] == "the request body is not valid UTF-8 JSON: byte 43 (0xff) is not UTF-8"
         status, body = await post("/completions", b"[1, 2]")
         assert status == 400 and "JSON object" in body["error"]["message"]
         status, body = await post("/completions", b'{"prompt": "' + b"a" * CONFIG.max_body_bytes + b'"}')
@@ -864,6 +912,21 @@ def test_response_format_and_forced_tool_calls_travel_as_a_constraint(tokenizer)
         assert parse(tokenizer, {**base, "response_format": {"type": "json_object"}}).sampling.constraint
 
 
+def test_tools_beside_response_format_are_one_grammar_of_calls_or_the_answer(tokenizer):
+    """OpenAI's behaviour (openai-agents' output_type with tools, pydantic-ai's NativeOutput with tools):
+    "auto" answers with calls or JSON in the format; a forced call is a call, the format for a later turn."""
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+        "ok": {"type": "boolean"}}}}}
+    auto = chat(tokenizer, {"messages": USER_HI, "tools": [WEATHER], "response_format": schema})
+    assert auto.sampling.constraint["kind"] == "tool_calls_or_json" and auto.reads_tool_calls
+    required = chat(tokenizer, {"messages": USER_HI, "tools": [WEATHER], "response_format": schema,
+                                "tool_choice": "required"})
+    assert required.sampling.constraint == chat(tokenizer, {"messages": USER_HI, "tools": [WEATHER],
+                                                            "tool_choice": "required"}).sampling.constraint
+    none = chat(tokenizer, {"messages": USER_HI, "tools": [WEATHER], "response_format": schema, "tool_choice": "none"})
+    assert none.sampling.constraint["kind"] == "json_schema" and not none.reads_tool_calls
+
+
 def test_tool_history_is_rendered_through_the_template(tokenizer):
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     parsed = chat(tokenizer, {"messages": [*USER_HI, {"role": "assistant", "content": None, "tool_calls": [call]},
@@ -874,7 +937,11 @@ def test_tool_history_is_rendered_through_the_template(tokenizer):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "strange"}}}}, "response_format.json_schema.schema"),
+    ({"tools": [WEATHER], "response_format": {"type": "json_object", "schema": {"type": "strange"}}},
+     "response_format.schema"),
+    ({"messages": [*USER_HI, {"role": "tool", "content": "sunny"}]}, "messages[1].tool_call_id"),
     ({"response_format": {"type": "json_object"}, "min_tokens": 3}, "min_tokens"),
     ({"tools": [WEATHER], "tool_choice": "required", "ignore_eos": True}, "ignore_eos"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
@@ -909,6 +976,41 @@ async def test_a_tool_call_in_the_answer_comes_back_as_tool_calls_whole_and_stre
         [(0, "get_weather", {"city": "Paris"})]
     assert streamed[0].id.startswith("call_") and chunks[-1].choices[0].finish_reason == "tool_calls"
     assert plain.choices[0].message.content == text and not plain.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_forced_call_cut_by_max_tokens_is_a_cut_tool_call_in_every_choice(tokenizer, stream):
+    """Issue 42: the call came back as `<tool_call>` text in content. As OpenAI: tool_calls, its
+    arguments as far as they came, finish_reason "length", for each of n choices."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    async with serve(FakeDispatcher(tokenizer, text, finish="length"), tokenizer) as url, \
+            openai_client(url) as client:
+        request = dict(model=MODEL, messages=USER_HI, tools=[WEATHER], tool_choice="required", n=2, max_tokens=20)
+        if stream:
+            chunks = [chunk async for chunk in await client.chat.completions.create(**request, stream=True)]
+            by_choice = {i: [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i] for i in (0, 1)}
+            got = [("".join(c.delta.content or "" for c in cs), [t for c in cs for t in c.delta.tool_calls or []],
+                    cs[-1].finish_reason) for cs in by_choice.values()]
+        else:
+            whole = await client.chat.completions.create(**request)
+            got = [(c.message.content or "", c.message.tool_calls, c.finish_reason) for c in whole.choices]
+    assert len(got) == 2
+    for content, calls, finish_reason in got:
+        assert content == "" and finish_reason == "length"
+        assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Par')]
+
+
+async def test_an_unknown_field_or_a_tool_message_without_its_call_id_is_a_400_through_the_client(tokenizer):
+    async with serve(FakeDispatcher(tokenizer, TEXT), tokenizer) as url, openai_client(url) as client:
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model=MODEL, messages=USER_HI, extra_body={"max_token": 3})
+        assert info.value.param == "max_token" and "did you mean 'max_tokens'?" in info.value.message
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(model=MODEL, prompt="x", extra_body={"foo": 1})
+        assert info.value.param == "foo"
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model=MODEL, messages=[*USER_HI, {"role": "tool", "content": "18C"}])
+        assert info.value.param == "messages[1].tool_call_id"
 
 
 def test_n_is_read_and_bounded(tokenizer):

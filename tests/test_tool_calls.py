@@ -12,6 +12,7 @@ import torch
 
 from services.gateway.http.request_parsing import _chat_message
 from services.gateway.http.tool_calls import (
+    AnswerShape,
     ParsedAnswer,
     ToolCallStream,
     ToolChoice,
@@ -21,7 +22,7 @@ from services.gateway.http.tool_calls import (
     template_takes_tools,
 )
 from shared.errors import BadRequest
-from shared.grammar import ConstraintKind, GrammarCompiler
+from shared.grammar import ConstraintKind, GrammarCompiler, answer_format
 from shared.models import ensure_smollm2_tokenizer, load_tokenizer
 
 WEATHER = {"type": "function", "function": {
@@ -103,6 +104,17 @@ def test_each_tool_choice_and_its_grammar() -> None:
     assert named.choice is ToolChoice.NAMED and named.names == {"add"} and named.constraint is not None
     no_parameters = parse_tool_request([{"type": "function", "function": {"name": "now"}}], "required")
     assert no_parameters.tools[0].parameters == {"type": "object", "properties": {}, "additionalProperties": False}
+    assert (auto.shape, required.shape, named.shape) == (AnswerShape.FREE, AnswerShape.CALLS, AnswerShape.CALLS)
+
+
+def test_beside_a_response_format_auto_is_calls_or_the_answer_and_forced_calls_stay_calls() -> None:
+    fmt = answer_format({"type": "json_object"})
+    auto = parse_tool_request(TOOLS, "auto", answer=fmt)
+    assert auto.shape is AnswerShape.CALLS_OR_ANSWER and auto.constraint.kind is ConstraintKind.TOOL_CALLS_OR_JSON
+    required = parse_tool_request(TOOLS, "required", answer=fmt)
+    assert required.shape is AnswerShape.CALLS
+    assert required.constraint == parse_tool_request(TOOLS, "required").constraint
+    assert parse_tool_request(TOOLS, "none", answer=fmt).constraint is None  # response_format's own grammar serves
 
 
 # ---- rendering ----
@@ -157,6 +169,8 @@ def test_a_template_that_takes_tools_gets_them_natively(smollm2_tokenizer) -> No
     ({"role": "assistant", "tool_calls": [{"type": "function"}]}, "messages[1].tool_calls[0]"),
     ({"role": "assistant", "tool_calls": "add"}, "messages[1].tool_calls"),
     ({"role": "tool", "tool_call_id": 5, "content": "x"}, "messages[1].tool_call_id"),
+    ({"role": "tool", "content": "x"}, "messages[1].tool_call_id"),  # OpenAI refuses it too
+    ({"role": "tool", "tool_call_id": "", "content": "x"}, "messages[1].tool_call_id"),
     ({"role": "tool", "tool_call_id": "call_1", "content": 5}, "messages[1].content"),
 ])
 def test_bad_tool_history_names_the_field(message: dict, param: str) -> None:
@@ -185,11 +199,47 @@ def test_what_is_not_a_call_stays_content() -> None:
     assert parse_answer("<tool_call>not json</tool_call>", NAMES).content == "<tool_call>not json</tool_call>"
     bad_arguments = '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>'
     assert parse_answer(bad_arguments, NAMES).content == bad_arguments
-    cut = '<tool_call>\n{"name": "add", "arguments": {"x": 1'  # a length cut inside a call
-    assert parse_answer(cut, NAMES).content == cut
+    unnamed = '<tool_call>\n{"call": "add", "arguments": {"x": 1'  # cut, and no call of ours began
+    assert parse_answer(unnamed, NAMES).content == unnamed
     unclosed = '<tool_call>\n{"name": "add", "arguments": {"x": 1, "y": 2}}'  # EOS before the close tag
     assert [c["function"]["name"] for c in parse_answer(unclosed, NAMES).tool_calls] == ["add"]
     assert parse_answer(CALL, frozenset()).content == CALL  # tool_choice "none": nothing is a call
+
+
+@pytest.mark.parametrize("shape", [AnswerShape.FREE, AnswerShape.CALLS, AnswerShape.CALLS_OR_ANSWER])
+def test_a_call_cut_by_length_is_a_call_with_its_arguments_cut(shape: AnswerShape) -> None:
+    """As OpenAI returns one: the name, and the arguments as far as they came (finish_reason length)."""
+    def read(text: str, names: frozenset[str] = frozenset(NAMES)) -> ParsedAnswer:
+        return parse_answer(text, names, counter_ids(), shape=shape)
+
+    cut = read('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par')
+    assert cut == ParsedAnswer(None, [{"id": "call_0", "type": "function",
+                                       "function": {"name": "get_weather", "arguments": '{"city": "Par'}}])
+    whole_arguments = read(f'{CALL}\n<tool_call>\n{{"name": "add", "arguments": {{"x": 1, "y": 2}}')
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole_arguments.tool_calls] == [
+        ("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("add", '{"x": 1, "y": 2}')]
+    in_the_name = read('<tool_call>\n{"name": "get_w')  # only one tool fits what came
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in in_the_name.tool_calls] == [
+        ("get_weather", "")]
+    assert read('<tool_call>\n{"name": "ad', frozenset({"add", "adjust"})).tool_calls == []  # two fit: no call
+
+
+@pytest.mark.parametrize("text", ['<tool_call>\n{"name": "ad', "<tool_ca", "<tool_call>", f"{CALL}\n<tool",
+                                  '<tool_call>\n{"name": "nope"}\n</tool_call>'])
+def test_where_a_grammar_wrote_calls_no_markup_is_ever_content(text: str) -> None:
+    names = frozenset({"add", "adjust", "get_weather"})
+    for shape in (AnswerShape.CALLS, AnswerShape.CALLS_OR_ANSWER):
+        assert parse_answer(text, names, shape=shape).content is None, shape
+        for cut in range(len(text) + 1):
+            stream = ToolCallStream(names, shape=shape)
+            deltas = stream.feed(text[:cut]) + stream.feed(text[cut:]) + stream.finish()
+            assert not [d for d in deltas if "content" in d], (shape, cut)
+
+
+def test_an_answer_in_the_response_format_is_never_read_for_calls() -> None:
+    answer = '{"note": "<tool_call>\\n{\\"name\\": \\"add\\"}</tool_call>"}'
+    assert parse_answer(answer, NAMES, shape=AnswerShape.CALLS_OR_ANSWER) == ParsedAnswer(answer, [])
+    assert parse_answer(CALL, NAMES, shape=AnswerShape.CALLS_OR_ANSWER).tool_calls
 
 
 def stream_all(pieces: list[str]) -> tuple[str | None, list[dict]]:

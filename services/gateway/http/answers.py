@@ -41,7 +41,7 @@ async def whole_answer(request: web.Request, choices: Choices) -> web.StreamResp
             choices.set_close_reason("client_disconnected")
             return web.Response(status=499, reason="Client Closed Request")  # nobody reads it
     bodies = [c.shapes.choice("".join(s.text for s in steps[c.index]), steps[c.index],
-                              c.generation.finish_reason or "stop", c.tool_names) for c in choices.started]
+                              c.generation.finish_reason or "stop", c.tools) for c in choices.started]
     pdd = choices.started[0].generation.pdd_summary()
     if len(choices.started) > 1:
         pdd = {**pdd, "choices": [c.generation.pdd_summary() for c in choices.started]}

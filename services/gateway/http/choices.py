@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
     from services.gateway.http.detokenizer import TokenStrings
     from services.gateway.http.request_parsing import ParsedRequest
+    from services.gateway.http.tool_calls import ToolRequest
     from services.gateway.observe.request_telemetry import RequestTelemetry
     from services.gateway.routing.dispatcher import Dispatcher
     from shared.config import GatewayConfig
@@ -53,8 +54,13 @@ class Choice:
     index: int
     generation: Generation
     shapes: Shapes
-    tool_names: frozenset[str]
+    tools: ToolRequest | None  # the tools its text is read for calls to (None: not read)
     tool_deltas: ToolDeltas | None
+
+    @property
+    def tool_names(self) -> frozenset[str]:
+        """The functions a call in its text may name; empty when the text is not read for calls."""
+        return frozenset() if self.tools is None else self.tools.names
 
 
 class Choices:
@@ -94,9 +100,9 @@ class Choices:
         context.telemetry.started(generation)
         logprobs = None if parsed.sampling.logprobs is None else Logprobs(context.token_strings,
                                                                           parsed.kind == "chat")
-        tool_names = parsed.tools.names if parsed.reads_tool_calls and parsed.tools else frozenset()
-        choice = Choice(index, generation, self.shapes.for_choice(index, logprobs), tool_names,
-                        ToolDeltas(tool_names) if tool_names else None)
+        tools = parsed.tools if parsed.reads_tool_calls else None
+        choice = Choice(index, generation, self.shapes.for_choice(index, logprobs), tools,
+                        None if tools is None else ToolDeltas(tools))
         self.started.append(choice)
         return choice
 

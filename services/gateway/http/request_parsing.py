@@ -6,6 +6,7 @@ nothing of HTTP or of how the request is served.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import secrets
 from collections.abc import Mapping
@@ -24,7 +25,7 @@ from services.gateway.http.tool_calls import (
 )
 from shared.config import GatewayConfig
 from shared.errors import BadRequest, InvalidParam
-from shared.grammar import Constraint, constraint_for_response_format
+from shared.grammar import AnswerFormat, Constraint, answer_format
 from shared.names import FailurePolicy, HandoffMode, Pipeline, choices
 from shared.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -49,6 +50,30 @@ NOT_HONOURED: dict[str, tuple[object, ...]] = {
     "audio": (), "modalities": (["text"],), "moderation": (), "web_search_options": (), "reasoning_effort": (),
     "verbosity": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+}
+# Every field a request may have; any other is refused naming it, so a typo ("max_token") is told, never
+# served as if it were absent. Chat: every field of the official openai client's chat completions
+# (openai 3.3's completion_create_params, tested against the installed package); completions: its
+# completions fields. Both: vLLM's sampling extras, NOT_HONOURED, and pdd's own `pdd`.
+OPENAI_CHAT_FIELDS = (
+    "messages", "model", "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
+    "max_completion_tokens", "max_tokens", "metadata", "modalities", "moderation", "n", "parallel_tool_calls",
+    "prediction", "presence_penalty", "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention",
+    "reasoning_effort", "response_format", "safety_identifier", "seed", "service_tier", "stop", "store", "stream",
+    "stream_options", "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity",
+    "web_search_options",
+)
+OPENAI_COMPLETION_FIELDS = (
+    "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
+    "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature", "top_p", "user",
+)
+VLLM_FIELDS = ("top_k", "ignore_eos", "stop_token_ids", "min_tokens", "include_stop_str_in_output",
+               "repetition_penalty", "min_p")
+KNOWN_FIELDS = {
+    # echo on chat and top_logprobs on completions are known so that their own clear refusal answers them
+    "chat": frozenset((*OPENAI_CHAT_FIELDS, *VLLM_FIELDS, *NOT_HONOURED, "pdd", "echo")),
+    "completion": frozenset((*OPENAI_COMPLETION_FIELDS, *VLLM_FIELDS, *NOT_HONOURED, "pdd", "response_format",
+                             "top_logprobs")),
 }
 
 
@@ -96,7 +121,21 @@ def decode_json_body(raw: bytes, max_body_bytes: int) -> object:
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+        raise BadRequest(f"the request body is not valid UTF-8 JSON: {_json_fault(raw, exc)}") from None
+
+
+def _json_fault(raw: bytes, exc: orjson.JSONDecodeError) -> str:
+    """Where the body stops being UTF-8 JSON, in words (orjson's own words for bad UTF-8 speak of
+    surrogates and str, which the client never sent)."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        return f"byte {bad.start} (0x{raw[bad.start]:02x}) is not UTF-8"
+    if "depth limit" in exc.msg:
+        return "it nests arrays and objects deeper than 1024 levels"
+    if not raw.strip():
+        return "the body is empty"
+    return f"{exc.msg} at line {exc.lineno} column {exc.colno}"
 
 
 def check_prompt_bytes(body: object, kind: str, max_bytes: int) -> None:
@@ -119,18 +158,22 @@ def check_prompt_bytes(body: object, kind: str, max_bytes: int) -> None:
 
 def parse_chat_request(body: object, tokenizer: PreTrainedTokenizerBase, served_model: str,
                        config: GatewayConfig, max_context_tokens: int) -> ParsedRequest:
-    fields = _request_object(body, served_model)
+    fields = _request_object(body, served_model, "chat")
+    answer, from_format = _response_format(fields)
     tools = parse_tool_request(fields.get("tools"), fields.get("tool_choice"),
-                               parallel=_bool(fields, "parallel_tool_calls", default=True))
+                               parallel=_bool(fields, "parallel_tool_calls", default=True), answer=answer)
     prompt_ids = _chat_prompt_ids(fields.get("messages"), tools, tokenizer)
-    return _parse_generation(fields, "chat", prompt_ids, tokenizer, config, max_context_tokens, tools)
+    # the tools' grammar when they have one (forced calls, or calls or the answer), else response_format's
+    constraint = tools.constraint if tools is not None and tools.constraint is not None else from_format
+    return _parse_generation(fields, "chat", prompt_ids, tokenizer, config, max_context_tokens, constraint, tools)
 
 
 def parse_completion_request(body: object, tokenizer: PreTrainedTokenizerBase, served_model: str,
                              config: GatewayConfig, max_context_tokens: int) -> ParsedRequest:
-    fields = _request_object(body, served_model)
+    fields = _request_object(body, served_model, "completion")
+    constraint = _response_format(fields)[1]
     prompt_ids = _completion_prompt_ids(fields.get("prompt"), tokenizer)
-    parsed = _parse_generation(fields, "completion", prompt_ids, tokenizer, config, max_context_tokens)
+    parsed = _parse_generation(fields, "completion", prompt_ids, tokenizer, config, max_context_tokens, constraint)
     if not _bool(fields, "echo"):
         return parsed
     prompt = fields["prompt"][0] if isinstance(fields["prompt"], list) and len(fields["prompt"]) == 1 \
@@ -139,9 +182,10 @@ def parse_completion_request(body: object, tokenizer: PreTrainedTokenizerBase, s
     return dataclasses.replace(parsed, echo=text)
 
 
-def _request_object(body: object, served_model: str) -> Mapping[str, object]:
+def _request_object(body: object, served_model: str, kind: str) -> Mapping[str, object]:
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
+    _refuse_unknown_fields(body, KNOWN_FIELDS[kind], "chat completions" if kind == "chat" else "completions")
     model = body.get("model")
     # Lenient where OpenAI is strict: a missing model means the one we serve.
     if model is not None and model != served_model:
@@ -151,6 +195,16 @@ def _request_object(body: object, served_model: str) -> Mapping[str, object]:
             raise InvalidParam(name, f"{name} is not supported by this server yet; leave it out (or at "
                                      f"{_spelled(neutral)})")
     return body
+
+
+def _refuse_unknown_fields(body: Mapping[str, object], known: frozenset[str], api: str) -> None:
+    unknown = sorted(name for name in body if name not in known)
+    if not unknown:
+        return
+    hints = [f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name)
+             for name in unknown for close in [difflib.get_close_matches(name, known, n=1, cutoff=0.8)]]
+    raise InvalidParam(unknown[0], f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(hints)}: {api} "
+                                   "take OpenAI's fields, vLLM's sampling extras and `pdd` (docs/api.md)")
 
 
 def _asks_nothing(value: object, neutral: tuple[object, ...]) -> bool:
@@ -240,8 +294,8 @@ def _completion_prompt_ids(prompt: object, tokenizer: PreTrainedTokenizerBase) -
 
 
 def _parse_generation(fields: Mapping[str, object], kind: str, prompt_ids: list[int],
-                      tokenizer: PreTrainedTokenizerBase, config: GatewayConfig,
-                      max_context_tokens: int, tools: ToolRequest | None = None) -> ParsedRequest:
+                      tokenizer: PreTrainedTokenizerBase, config: GatewayConfig, max_context_tokens: int,
+                      constraint: Constraint | None, tools: ToolRequest | None = None) -> ParsedRequest:
     prompt_param = "messages" if kind == "chat" else "prompt"
     if not prompt_ids:
         raise InvalidParam(prompt_param, "the prompt is empty")
@@ -271,7 +325,6 @@ def _parse_generation(fields: Mapping[str, object], kind: str, prompt_ids: list[
     min_tokens = _int(fields, "min_tokens", minimum=0) or 0
     if min_tokens > max_tokens:
         raise InvalidParam("min_tokens", f"min_tokens={min_tokens} is more than max_tokens={max_tokens}")
-    constraint = _constraint(fields, tools)
     ignore_eos = _bool(fields, "ignore_eos")
     if constraint is not None and (min_tokens or ignore_eos):
         # a finished grammar allows only EOS: holding it back would leave no token to pick
@@ -311,14 +364,12 @@ def _parse_generation(fields: Mapping[str, object], kind: str, prompt_ids: list[
     )
 
 
-def _constraint(fields: Mapping[str, object], tools: ToolRequest | None) -> Constraint | None:
-    """The grammar the answer must follow: a forced tool call's, or response_format's."""
+def _response_format(fields: Mapping[str, object]) -> tuple[AnswerFormat | None, Constraint | None]:
+    """response_format, checked, and its grammar, compiled on its own so that a bad schema is refused
+    naming it even where another grammar serves (tools beside it)."""
     response_format = fields.get("response_format")
-    from_format = None if response_format is None else constraint_for_response_format(response_format)
-    if from_format is not None and tools is not None and tools.names:
-        raise InvalidParam("response_format", "response_format cannot be combined with tools unless tool_choice "
-                                              "is 'none'")
-    return tools.constraint if tools is not None and tools.constraint is not None else from_format
+    answer = None if response_format is None else answer_format(response_format)
+    return answer, None if answer is None else answer.constraint()
 
 
 def _max_tokens(fields: Mapping[str, object], prompt_tokens: int, config: GatewayConfig,

@@ -16,6 +16,7 @@ from services.gateway.http.tool_deltas import tool_finish
 if TYPE_CHECKING:
     from services.gateway.http.generation import Step
     from services.gateway.http.logprob_shapes import Logprobs
+    from services.gateway.http.tool_calls import ToolRequest
 
 Json = dict[str, object]
 
@@ -94,15 +95,14 @@ class Shapes:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"),
                 "choices": [], "usage": usage}
 
-    def choice(self, text: str, steps: list[Step], finish_reason: str,
-               tool_names: frozenset[str] = frozenset()) -> Json:
-        """A whole choice. `tool_names`: the text is read for calls to these tools (chat with tools offered)."""
+    def choice(self, text: str, steps: list[Step], finish_reason: str, tools: ToolRequest | None = None) -> Json:
+        """A whole choice. `tools`: the text is read for calls to them (chat with tools offered, not "none")."""
         logprobs = self._logprobs_of(steps)
         if not self.chat:
             return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         message: Json = {"role": "assistant", "content": text}
-        if tool_names:
-            answer = parse_answer(text, tool_names)
+        if tools is not None:
+            answer = parse_answer(text, tools.names, shape=tools.shape)
             message["content"] = answer.content
             if answer.tool_calls:
                 message["tool_calls"] = answer.tool_calls

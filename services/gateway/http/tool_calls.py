@@ -4,12 +4,13 @@ for the chat template, and reading tool calls out of the model's text, whole or 
 Pure functions and one streaming class; knows nothing of HTTP or of how the answer is made. The
 model's tool-call format is Hermes / Qwen2.5 (`<tool_call>\\n{"name": ..., "arguments": {...}}\\n
 </tool_call>`); "required" and a named function are enforced by the grammar in `ToolRequest.constraint`,
-"auto" reads whatever the model wrote, "none" reads nothing.
+"auto" reads whatever the model wrote (beside a response_format, a grammar makes it calls or the
+answer), "none" reads nothing. Our markup never reaches a client as content where a grammar wrote it.
 
-    request = parse_tool_request(body.get("tools"), body.get("tool_choice"))      # None: no tools
+    request = parse_tool_request(body.get("tools"), body.get("tool_choice"), answer=answer_format(...))
     prompt = render_chat(messages, request, native=template_takes_tools(tokenizer), text_message=...)
     tokenizer.apply_chat_template(prompt.messages, tools=prompt.tools, add_generation_prompt=True, ...)
-    answer = parse_answer(text, request.names)  |  stream = ToolCallStream(request.names); stream.feed(delta)
+    answer = parse_answer(text, request.names, shape=request.shape)  |  stream = ToolCallStream(...)
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from shared.grammar import (
     SCHEMA_NAME,
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
+    AnswerFormat,
     Constraint,
     InvalidConstraint,
     check_json_schema,
@@ -48,6 +50,14 @@ class ToolChoice(str, Enum):
     NAMED = "named"  # {"type": "function", "function": {"name": ...}}
 
 
+class AnswerShape(str, Enum):
+    """What an answer's text may be, which decides how it is read for calls."""
+
+    FREE = "free"  # "auto": text, with calls anywhere in it (the model's own choice)
+    CALLS = "calls"  # "required" or named: calls and nothing else (a grammar's); no text is content
+    CALLS_OR_ANSWER = "calls_or_answer"  # "auto" beside response_format: calls, or an answer never read for calls
+
+
 @dataclass(frozen=True)
 class Tool:
     name: str
@@ -67,7 +77,9 @@ class ToolRequest:
     tools: tuple[Tool, ...]
     choice: ToolChoice
     forced_name: str | None = None  # the function a NAMED choice calls
-    constraint: Constraint | None = field(default=None, compare=False)  # the grammar, for REQUIRED and NAMED
+    # the grammar: for REQUIRED and NAMED, and for AUTO beside a response_format (calls or the answer)
+    constraint: Constraint | None = field(default=None, compare=False)
+    shape: AnswerShape = AnswerShape.FREE
 
     @property
     def names(self) -> frozenset[str]:
@@ -79,20 +91,27 @@ class ToolRequest:
 
 # ---- the request: tools and tool_choice ----
 
-def parse_tool_request(tools: object, tool_choice: object, *, parallel: bool = True) -> ToolRequest | None:
+def parse_tool_request(tools: object, tool_choice: object, *, parallel: bool = True,
+                       answer: AnswerFormat | None = None) -> ToolRequest | None:
     """OpenAI's `tools` and `tool_choice`; None when there are no tools (and no choice that needs one).
-    `parallel` (parallel_tool_calls): "required" may make several calls; false: exactly one."""
+    `parallel` (parallel_tool_calls): "required" (or "auto" beside `answer`) may make several calls;
+    false: exactly one. `answer`: the response_format, as OpenAI serves it beside tools: with "auto"
+    the answer is calls or JSON in that format (one grammar); "required" and a named function force
+    calls, and the format shapes no text of this answer (there is none), only a later turn's."""
     parsed = _tools(tools)
     if not parsed:
         if tool_choice in (None, "none", "auto"):
             return None
         raise InvalidTools("tool_choice", "tool_choice needs tools; there are none")
     choice, name = _tool_choice(tool_choice, {t.name for t in parsed})
-    constraint = None
+    parameters = {t.name: t.parameters for t in parsed}
     if choice in (ToolChoice.REQUIRED, ToolChoice.NAMED):
-        constraint = constraint_for_tool_calls({t.name: t.parameters for t in parsed}, only=name,
-                                               single=not parallel)
-    return ToolRequest(parsed, choice, name, constraint)
+        constraint = constraint_for_tool_calls(parameters, only=name, single=not parallel)
+        return ToolRequest(parsed, choice, name, constraint, AnswerShape.CALLS)
+    if choice is ToolChoice.AUTO and answer is not None:
+        constraint = constraint_for_tool_calls(parameters, single=not parallel, or_answer=answer)
+        return ToolRequest(parsed, choice, name, constraint, AnswerShape.CALLS_OR_ANSWER)
+    return ToolRequest(parsed, choice, name)
 
 
 def _tools(tools: object) -> tuple[Tool, ...]:
@@ -197,12 +216,11 @@ def render_chat(messages: object, request: ToolRequest | None, *, native: bool,
 
 def _tool_message(message: Mapping[str, object], i: int, content: str, native: bool) -> Json:
     call_id = message.get("tool_call_id")
-    if call_id is not None and not isinstance(call_id, str):
-        raise InvalidTools(f"messages[{i}].tool_call_id", f"messages[{i}].tool_call_id must be a string")
+    if not isinstance(call_id, str) or not call_id:
+        raise InvalidTools(f"messages[{i}].tool_call_id", f"messages[{i}].tool_call_id must be the id of the "
+                                                          "call this tool message answers (a non-empty string)")
     if native:
-        out: Json = {"role": "tool", "content": content}
-        if call_id is not None:
-            out["tool_call_id"] = call_id
+        out: Json = {"role": "tool", "content": content, "tool_call_id": call_id}
         if isinstance(message.get("name"), str):
             out["name"] = message["name"]
         return out
@@ -278,9 +296,10 @@ class ParsedAnswer:
     tool_calls: list[Json]  # OpenAI's message.tool_calls: {id, type: "function", function: {name, arguments}}
 
 
-def parse_answer(text: str, names: Collection[str], new_id: Callable[[], str] = new_tool_call_id) -> ParsedAnswer:
+def parse_answer(text: str, names: Collection[str], new_id: Callable[[], str] = new_tool_call_id, *,
+                 shape: AnswerShape = AnswerShape.FREE) -> ParsedAnswer:
     """The whole answer at once; the same result as streaming it through ToolCallStream."""
-    stream = ToolCallStream(names, new_id)
+    stream = ToolCallStream(names, new_id, shape=shape)
     deltas = stream.feed(text) + stream.finish()
     content = "".join(str(d["content"]) for d in deltas if "content" in d)
     calls = [call for d in deltas for call in d.get("tool_calls", [])]  # type: ignore[attr-defined]
@@ -293,12 +312,18 @@ class ToolCallStream:
 
     Holds back only what could still become a call: a tail that may be the start of `<tool_call>`,
     an open block, and trailing whitespace (the content is stripped, as parse_answer strips it). A
-    block that is not a call to one of `names` with a JSON object for arguments stays content.
+    block that is not a call to one of `names` with a JSON object for arguments stays content, but
+    a block the answer ends in (a length cut) that has begun a call to one of them is that call, its
+    arguments cut, as OpenAI returns one. `shape` (AnswerShape): where a grammar wrote the answer,
+    any text but a call is never content (a cut before a call's name is known, the piece of a tag),
+    and an answer that does not begin with `<` is read as the answer, not for calls.
     """
 
-    def __init__(self, names: Collection[str], new_id: Callable[[], str] = new_tool_call_id) -> None:
+    def __init__(self, names: Collection[str], new_id: Callable[[], str] = new_tool_call_id, *,
+                 shape: AnswerShape = AnswerShape.FREE) -> None:
         self._names = frozenset(names)
         self._new_id = new_id
+        self._shape = shape
         self._pending = ""
         self._in_block = False
         self._calls_made = 0
@@ -312,6 +337,16 @@ class ToolCallStream:
 
     def feed(self, text: str) -> list[Json]:
         self._pending += text
+        if self._shape is AnswerShape.CALLS_OR_ANSWER:
+            begun = self._pending.lstrip()
+            if not begun:
+                return []
+            self._shape = AnswerShape.CALLS if begun.startswith("<") else AnswerShape.FREE
+            if self._shape is AnswerShape.FREE:
+                self._names = frozenset()  # the answer in the response_format: JSON, never read for calls
+        if not self._names:
+            text, self._pending = self._pending, ""
+            return self._content(text)
         deltas: list[Json] = []
         while True:
             if self._in_block:
@@ -334,7 +369,8 @@ class ToolCallStream:
                 self._in_block = True
 
     def finish(self) -> list[Json]:
-        """The end of the answer: an unclosed block is a call if its JSON is whole, else content."""
+        """The end of the answer: an unclosed block is a call if it has begun one (its arguments as
+        far as they came), else content."""
         pending, self._pending = self._pending, ""
         if self._in_block:
             self._in_block = False
@@ -342,7 +378,7 @@ class ToolCallStream:
         return self._content(pending)
 
     def _block(self, body: str, closed: bool) -> list[Json]:
-        call = _call(body, self._names)
+        call = _call(body, self._names) or (None if closed else _cut_call(body, self._names))
         if call is None:
             return self._content(TOOL_CALL_OPEN + body + (TOOL_CALL_CLOSE if closed else ""))
         name, arguments = call
@@ -352,6 +388,8 @@ class ToolCallStream:
         return [{"tool_calls": [delta]}]
 
     def _content(self, text: str) -> list[Json]:
+        if self._shape is AnswerShape.CALLS:
+            return []  # the grammar writes calls and the newlines between them; a cut leaves pieces of tags
         if not self._content_started:
             text = text.lstrip()
             if not text:
@@ -377,6 +415,20 @@ def _call(body: str, names: frozenset[str]) -> tuple[str, str] | None:
     if not isinstance(arguments, dict):
         return None
     return call["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+def _cut_call(body: str, names: frozenset[str]) -> tuple[str, str] | None:
+    """(name, the arguments' text as far as it came) if `body`, cut, begins a call as the grammar and the
+    prompt write one, `{"name": "<name>", "arguments": ...`, and only one of `names` fits what came."""
+    text = body.lstrip()
+    fits: list[tuple[str, str]] = []
+    for name in names:
+        head = json.dumps({"name": name, "arguments": None})[:-len("null}")]  # '{"name": "<name>", "arguments": '
+        if text.startswith(head):
+            fits.append((name, text[len(head):].rstrip()))
+        elif head.startswith(text):
+            fits.append((name, ""))
+    return fits[0] if len(fits) == 1 else None
 
 
 def _prefix_tail(text: str, marker: str) -> int:

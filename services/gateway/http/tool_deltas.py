@@ -11,20 +11,22 @@ from services.gateway.http.tool_calls import ToolCallStream
 
 if TYPE_CHECKING:
     from services.gateway.http.generation import Step
+    from services.gateway.http.tool_calls import ToolRequest
 
 Json = dict[str, object]
 
 
 def tool_finish(finish_reason: str) -> str:
-    """An answer that ended by itself with tool calls in it finished to call them (a length cut stays one)."""
+    """An answer that ended by itself with tool calls in it finished to call them (a length cut stays
+    one: the last call's arguments are cut)."""
     return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 class ToolDeltas:
     """A streamed chat answer's text read for tool calls: each token's text in, that token's delta out."""
 
-    def __init__(self, names: frozenset[str]) -> None:
-        self._stream = ToolCallStream(names)
+    def __init__(self, tools: ToolRequest) -> None:
+        self._stream = ToolCallStream(tools.names, shape=tools.shape)
 
     def delta(self, step: Step) -> Json:
         deltas = self._stream.feed(step.text)
