@@ -35,6 +35,7 @@ from services.gateway.http.request_parsing import (
     parse_completion_request,
 )
 from services.gateway.http.response_shapes import SYSTEM_FINGERPRINT, Shapes
+from services.gateway.http.responses_api import AnswerWriter, ResponsesAPI
 from services.gateway.observe.request_telemetry import STARTED_AT, RequestTelemetry
 from services.gateway.run.request_run import new_request_id
 from shared.metrics import GatewayMetrics
@@ -61,7 +62,8 @@ def lower_thread_priority() -> None:
 
 
 class OpenAIHandlers:
-    """aiohttp handlers for /v1/chat/completions, /v1/completions and /v1/models."""
+    """aiohttp handlers for /v1/chat/completions, /v1/completions and /v1/models (and, through
+    responses_api.py, /v1/responses)."""
 
     def __init__(self, dispatcher: Dispatcher, tokenizer: PreTrainedTokenizerBase, served_model: str,
                  config: GatewayConfig, max_context_tokens: int, admission: Admission | None = None,
@@ -83,6 +85,7 @@ class OpenAIHandlers:
         self._tokenize_pool = ThreadPoolExecutor(max(1, config.tokenizer_threads), thread_name_prefix="tokenize",
                                                  initializer=lower_thread_priority)
         self._created = int(time.time())
+        self._responses = ResponsesAPI(self, served_model, config)
 
     def close(self) -> None:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
@@ -93,15 +96,16 @@ class OpenAIHandlers:
             web.post("/v1/completions", self.completions),
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model_id:.+}", self.model),
+            *self._responses.routes(),
         ]
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         parsed = await self._parse(request, "chat", parse_chat_request)
-        return await self._serve(request, parsed)
+        return await self.serve(request, parsed)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         parsed = await self._parse(request, "completion", parse_completion_request)
-        return await self._serve(request, parsed)
+        return await self.serve(request, parsed)
 
     async def models(self, request: web.Request) -> web.Response:
         return json_response({"object": "list", "data": [self._model_object()]})
@@ -121,21 +125,27 @@ class OpenAIHandlers:
                      parse: Callable[..., ParsedRequest]) -> ParsedRequest:
         limit = self._config.max_body_bytes
         body = decode_json_body(await read_body(request, self._config.body_timeout_s, limit), limit)
+        return await self.parse_body(body, kind, parse)
+
+    async def parse_body(self, body: object, kind: str, parse: Callable[..., ParsedRequest]) -> ParsedRequest:
+        """A decoded body parsed, off the event loop (the Responses API's, once made a chat body)."""
         check_prompt_bytes(body, kind, self._max_prompt_bytes)
         job = functools.partial(parse, body, self._tokenizer, self._served_model, self._config,
                                 self._max_context_tokens)
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, job)
 
-    async def _serve(self, request: web.Request, parsed: ParsedRequest) -> web.StreamResponse:
+    async def serve(self, request: web.Request, parsed: ParsedRequest,
+                    answer: AnswerWriter | None = None) -> web.StreamResponse:
+        """Admit a parsed request and answer it: as chat or completions do, or with `answer`."""
         deadline_at = request.get(STARTED_AT, time.monotonic()) + self._config.request_timeout_s
         async with self._admission.slot(deadline_at, lambda: client_gone(request)) as queued_s:
             trace.get_current_span().set_attribute("pdd.queued_s", queued_s)
             if parsed.sampling.max_tokens == 0:  # echo of the prompt alone: P scores it, nobody decodes
                 return await self._prompt_only.serve(request, parsed, deadline_at)
-            return await self._serve_admitted(request, parsed, deadline_at)
+            return await self._serve_admitted(request, parsed, deadline_at, answer)
 
     async def _serve_admitted(self, request: web.Request, parsed: ParsedRequest,
-                              deadline_at: float) -> web.StreamResponse:
+                              deadline_at: float, answer: AnswerWriter | None) -> web.StreamResponse:
         request_id = new_request_id()
         shapes = Shapes(response_id=("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + request_id[4:],
                         created=int(time.time()), model=self._served_model, chat=parsed.kind == "chat",
@@ -146,6 +156,8 @@ class OpenAIHandlers:
             # Before its first token nothing is written that could fail: the watch notices the
             # client gone within a second, and the run's close aborts the request on every tier.
             with ClientWatch(request):
+                if answer is not None:
+                    return await answer(request, choices)
                 if parsed.stream:
                     return await streamed_answer(request, choices)
                 return await whole_answer(request, choices)

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TRACED_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
+TRACED_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models"})
 STARTED_AT = web.RequestKey("pdd_started_at", float)  # time.monotonic() when the request came in
 # A stream that failed after its status line (200) was sent: the status its error maps to, which the
 # response metric counts it under (its SSE error event carries the error's code)
