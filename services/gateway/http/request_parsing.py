@@ -185,7 +185,7 @@ def parse_completion_request(body: object, tokenizer: PreTrainedTokenizerBase, s
 def _request_object(body: object, served_model: str, kind: str) -> Mapping[str, object]:
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
-    _refuse_unknown_fields(body, KNOWN_FIELDS[kind], "chat completions" if kind == "chat" else "completions")
+    refuse_unknown_fields(body, KNOWN_FIELDS[kind], "chat completions" if kind == "chat" else "completions")
     model = body.get("model")
     # Lenient where OpenAI is strict: a missing model means the one we serve.
     if model is not None and model != served_model:
@@ -197,7 +197,8 @@ def _request_object(body: object, served_model: str, kind: str) -> Mapping[str, 
     return body
 
 
-def _refuse_unknown_fields(body: Mapping[str, object], known: frozenset[str], api: str) -> None:
+def refuse_unknown_fields(body: Mapping[str, object], known: frozenset[str], api: str) -> None:
+    """A 400 naming the first field not in `known`, and the known field each unknown one may be a typo of."""
     unknown = sorted(name for name in body if name not in known)
     if not unknown:
         return
