@@ -5,6 +5,8 @@ speaks it by default, run unmodified on P-MD and across a handoff on P-RLD-MD.""
 from __future__ import annotations
 
 import json
+import typing
+from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -20,11 +22,11 @@ from agents import (
     function_tool,
     set_tracing_disabled,
 )
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response, ResponseStreamEvent, response_create_params
 from pydantic import BaseModel, Field, TypeAdapter
 
 from services.gateway.http.generation import Step
-from services.gateway.http.responses_items import chat_messages, responses_param, to_chat_request
+from services.gateway.http.responses_items import KNOWN_FIELDS, chat_messages, responses_param, to_chat_request
 from services.gateway.http.responses_store import ResponseStore
 from services.gateway.http.responses_stream import ResponseOutput, as_input_items, responses_usage
 from shared.errors import InvalidParam
@@ -133,6 +135,16 @@ def test_what_is_not_honoured_is_refused_naming_the_field(body: dict, param: str
     assert caught.value.param == param, caught.value
 
 
+def test_every_field_of_the_openai_clients_responses_body_is_known_and_documented() -> None:
+    fields = set(typing.get_type_hints(response_create_params.ResponseCreateParamsBase)) | {"stream"}
+    assert not fields - KNOWN_FIELDS, f"classify {sorted(fields - KNOWN_FIELDS)} in responses_items.py and docs/api.md"
+    docs = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
+    section = docs[docs.index("## The Responses API"):]
+    section = section[:section.index("\n## ")]
+    undocumented = {name for name in KNOWN_FIELDS if f"`{name}`" not in section}
+    assert not undocumented, f"docs/api.md's Responses API section does not answer {sorted(undocumented)}"
+
+
 @pytest.mark.parametrize("chat_param, param", [
     ("messages[2].content", "input[1].content"), ("messages[0]", "instructions"), ("messages", "input"),
     ("tools[1].function.parameters", "tools[1].parameters"), ("tool_choice.function.name", "tool_choice.name"),
@@ -231,6 +243,21 @@ async def test_an_answer_is_the_chat_answer_to_the_same_conversation(client):
     assert response.instructions == "Be brief." and response.max_output_tokens == 12
 
 
+async def test_logprobs_are_chat_logprobs_on_the_text_and_its_deltas(client):
+    kwargs = {"model": MODEL, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    response = await client.responses.create(input=QUESTION, include=["message.output_text.logprobs"],
+                                             top_logprobs=2, max_output_tokens=6, **kwargs)
+    chat = await client.chat.completions.create(messages=[{"role": "user", "content": QUESTION}], logprobs=True,
+                                                top_logprobs=2, max_tokens=6, **kwargs)
+    logprobs = response.output[0].content[0].logprobs
+    assert [t.token for t in logprobs] == [t.token for t in chat.choices[0].logprobs.content]
+    assert len(logprobs) == response.usage.output_tokens == 6 and all(len(t.top_logprobs) == 2 for t in logprobs)
+    stream = await client.responses.create(input=QUESTION, include=["message.output_text.logprobs"], top_logprobs=2,
+                                           max_output_tokens=6, stream=True, **kwargs)
+    deltas = [e for e in [event async for event in stream] if e.type == "response.output_text.delta"]
+    assert [t.token for e in deltas for t in e.logprobs] == [t.token for t in logprobs]
+
+
 async def test_a_streamed_answer_is_the_whole_answer_event_by_event(client):
     """A JSON answer (its grammar ends it, so it completes) cut over from RLD to MD inside the JSON."""
     kwargs = {"model": MODEL, "input": QUESTION, "max_output_tokens": 60, "temperature": 0,
@@ -294,6 +321,23 @@ async def test_a_forced_call_streams_as_function_call_events(client):
     [arguments] = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert arguments.name == "get_forecast" and arguments.arguments == final.output[0].arguments
     jsonschema.validate(json.loads(arguments.arguments), FORECAST_TOOL["parameters"])
+
+
+async def test_a_forced_call_cut_by_max_output_tokens_is_an_incomplete_call(client):
+    for stream in (False, True):
+        response = await client.responses.create(model=MODEL, input=QUESTION, tools=[FORECAST_TOOL],
+                                                 tool_choice="required", max_output_tokens=16, temperature=0,
+                                                 stream=stream)
+        if stream:
+            events = [event async for event in response]
+            assert events[-1].type == "response.incomplete"
+            response = events[-1].response
+        assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+        [call] = response.output
+        assert call.type == "function_call" and call.name == "get_forecast" and call.status == "incomplete"
+        assert call.arguments == "" or call.arguments.startswith("{")  # the JSON as far as it came
+        with pytest.raises(ValueError):
+            json.loads(call.arguments)
 
 
 async def test_text_format_json_schema_is_followed_on_both_pipelines(client):

@@ -85,6 +85,9 @@ class ResponsesAPI:
         return await self._chat.serve(request, parsed, answer.write)
 
     async def retrieve(self, request: web.Request) -> web.Response:
+        if request.query:  # include, stream, starting_after: a stored response is only ever given back whole
+            name = sorted(request.query)[0]
+            raise InvalidParam(name, f"{name} is not supported by this server on GET /v1/responses/{{id}}")
         stored = self.store.get(request.match_info["response_id"])
         if stored is None:
             raise self._not_found(request.match_info["response_id"], "response_id")

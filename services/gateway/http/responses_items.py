@@ -16,6 +16,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from services.gateway.http.request_parsing import refuse_unknown_fields
 from shared.errors import InvalidParam
 
 Json = dict[str, object]
@@ -161,10 +162,7 @@ def responses_param(param: str | None, message_sources: Sequence[str] = ()) -> s
 # ---- fields ----
 
 def _refuse_unknown(body: Mapping[str, object]) -> None:
-    unknown = sorted(set(body) - KNOWN_FIELDS)
-    if unknown:
-        raise InvalidParam(unknown[0], f"unknown field{'s' if len(unknown) > 1 else ''} {unknown}: this server "
-                                       "does not know them, so they would change nothing")
+    refuse_unknown_fields(body, KNOWN_FIELDS, "responses")
     for name, neutral in NOT_HONOURED.items():
         value = body.get(name)
         if value is not None and value not in neutral and not (name == "reasoning" and _all_null(value)):

@@ -77,8 +77,10 @@ class ResponseOutput:
         # one token's text that ends a call and begins text after it would be read content first: a
         # tokeniser's tokens are too short for that to be more than the blank between them
         events = self._text(str(delta["content"]), []) if delta.get("content") else []
-        for call in delta.get("tool_calls", []):  # type: ignore[attr-defined]
-            events += self._call(call)
+        calls: list[Json] = delta.get("tool_calls", [])  # type: ignore[assignment]
+        for i, call in enumerate(calls):
+            cut = step.finish_reason == "length" and i == len(calls) - 1  # its arguments as far as they came
+            events += self._call(call, "incomplete" if cut else "completed")
         return events
 
     def finish(self, finish_reason: str, usage: Json, pdd: Json) -> list[Json]:
@@ -139,7 +141,7 @@ class ResponseOutput:
                             content_index=0, part=dict(part)),
                 self._event("response.output_item.done", output_index=index, item=_copy(message))]
 
-    def _call(self, call: Json) -> list[Json]:
+    def _call(self, call: Json, status: str) -> list[Json]:
         events = self._close_message("completed")
         function = call["function"]
         assert isinstance(function, dict)
@@ -148,7 +150,7 @@ class ResponseOutput:
         self.items.append(item)
         index = len(self.items) - 1
         events.append(self._event("response.output_item.added", output_index=index, item=dict(item)))
-        item["arguments"], item["status"] = function["arguments"], "completed"
+        item["arguments"], item["status"] = function["arguments"], status
         events += [self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
                                delta=item["arguments"]),
                    self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
