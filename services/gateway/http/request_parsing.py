@@ -309,6 +309,12 @@ def _parse_generation(fields: Mapping[str, object], kind: str, prompt_ids: list[
         raise InvalidParam("n", f"n must be from 1 to {MAX_CHOICES}")
     stream = _bool(fields, "stream")
     stream_options = _object(fields, "stream_options")
+    # include_obfuscation pads chunks against length side channels; pdd never pads, so it asks for nothing
+    unknown = sorted(set(stream_options) - {"include_usage", "include_obfuscation"})
+    if unknown:
+        raise InvalidParam(f"stream_options.{unknown[0]}", f"stream_options has unknown fields {unknown}; it takes "
+                                                           "include_usage (and include_obfuscation, without effect)")
+    _bool(stream_options, "include_obfuscation", "stream_options.")
     pipeline, handoff_at, md_kv_delay_s, handoff_mode, failure_policy = _pdd_extension(_object(fields, "pdd"))
     seed = _int(fields, "seed", minimum=INT64_MIN)
     top_k = _int(fields, "top_k", minimum=-1)
