@@ -222,6 +222,10 @@ def test_a_call_cut_by_length_is_a_call_with_its_arguments_cut(shape: AnswerShap
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in in_the_name.tool_calls] == [
         ("get_weather", "")]
     assert read('<tool_call>\n{"name": "ad', frozenset({"add", "adjust"})).tool_calls == []  # two fit: no call
+    assert read('<tool_call>\n{"name": "add", "arguments": {"x": "1<').tool_calls[0]["function"]["arguments"] == \
+        '{"x": "1<'  # a "<" in the arguments stays, though "</tool_call>" could begin with it
+    for cut in range(1, len("\n</tool_call>")):  # cut in the closing tag: the call is whole, and no tag in it
+        assert read(CALL[:-cut]).tool_calls[0]["function"]["arguments"] == '{"city": "Paris", "unit": "celsius"}'
 
 
 @pytest.mark.parametrize("text", ['<tool_call>\n{"name": "ad', "<tool_ca", "<tool_call>", f"{CALL}\n<tool",

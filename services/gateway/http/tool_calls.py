@@ -378,7 +378,10 @@ class ToolCallStream:
         return self._content(pending)
 
     def _block(self, body: str, closed: bool) -> list[Json]:
-        call = _call(body, self._names) or (None if closed else _cut_call(body, self._names))
+        call = _call(body, self._names)
+        if call is None and not closed:  # cut: in the closing tag (the call is whole), or in the call
+            call = _call(body[:len(body) - _prefix_tail(body, TOOL_CALL_CLOSE)], self._names) or \
+                _cut_call(body, self._names)
         if call is None:
             return self._content(TOOL_CALL_OPEN + body + (TOOL_CALL_CLOSE if closed else ""))
         name, arguments = call
