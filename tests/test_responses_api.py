@@ -200,6 +200,16 @@ def test_events_and_the_response_have_the_openai_clients_shapes() -> None:
         "arguments": call_item.arguments}
 
 
+def test_a_failure_after_the_first_event_is_a_response_failed_event() -> None:
+    output = ResponseOutput("resp_3", 1, MODEL, to_chat_request({"input": "hi"}), None)
+    events = output.start() + output.step(_step(0, "It")) + [output.failed("server_error", "MD was lost")]
+    failed = EVENT.validate_python(events[-1])
+    assert failed.type == "response.failed" and failed.sequence_number == len(events) - 1
+    assert (failed.response.status, failed.response.error.code, failed.response.error.message) == (
+        "failed", "server_error", "MD was lost")
+    assert failed.response.output[0].content[0].text == "It"
+
+
 def test_a_length_cut_is_an_incomplete_response() -> None:
     output = ResponseOutput("resp_2", 1, MODEL, to_chat_request({"input": "hi"}), None)
     events = output.start() + output.step(_step(0, "It", "length"))
@@ -371,10 +381,18 @@ async def test_a_bad_field_is_a_400_naming_it(stack, session, body, param):
         assert (resp.status, error["param"]) == (404 if param == "model" else 400, param), error
 
 
-async def test_a_response_not_stored_is_not_kept(stack, session, client):
-    response = await client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False)
-    async with session.get(f"{stack.api_url}/v1/responses/{response.id}") as resp:
-        assert resp.status == 400 and (await resp.json())["error"]["param"] == "response_id"
+async def test_a_response_is_kept_until_deleted_unless_store_is_false(stack, session, client):
+    kept = await client.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    assert (await client.responses.retrieve(kept.id)).output_text == kept.output_text
+    async with session.get(f"{stack.api_url}/v1/responses/{kept.id}?stream=true") as resp:
+        assert resp.status == 400 and (await resp.json())["error"]["param"] == "stream"
+    await client.responses.delete(kept.id)
+    not_kept = await client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False)
+    for response_id in (kept.id, not_kept.id):
+        async with session.get(f"{stack.api_url}/v1/responses/{response_id}") as resp:
+            assert resp.status == 400 and (await resp.json())["error"]["param"] == "response_id"
+    with pytest.raises(openai.BadRequestError, match="no response with id"):
+        await client.responses.create(model=MODEL, input="hi", previous_response_id=kept.id)
 
 
 # ---- openai-agents, unmodified, on the default Responses model ----
@@ -386,22 +404,30 @@ class Recorder:
         self.bodies: list[dict] = []
 
     async def __call__(self, response: httpx.Response) -> None:
-        await response.aread()
-        self.bodies.append(response.json())
+        if response.headers.get("content-type", "").startswith("application/json"):  # not a stream's events
+            await response.aread()
+            self.bodies.append(response.json())
 
 
-async def _run(stack, pipeline: str, extra: dict, prompt: str, settings: dict | None = None, **agent: object):
-    """Runner.run on an Agent whose model is openai-agents' OpenAIResponsesModel on our gateway."""
+async def _run(stack, pipeline: str, extra: dict, prompt: str, settings: dict | None = None, stream: bool = False,
+               **agent: object):
+    """Runner.run (or run_streamed) on an Agent whose model is openai-agents' OpenAIResponsesModel on
+    our gateway; every whole response it got must have been served across the handoff asked for."""
     set_tracing_disabled(True)
     recorder = Recorder()
     client = openai.AsyncOpenAI(base_url=stack.api_url + "/v1", api_key="unused", max_retries=0,
                                 http_client=httpx.AsyncClient(event_hooks={"response": [recorder]}))
     model_settings = ModelSettings(temperature=0, max_tokens=100, parallel_tool_calls=False,
                                    extra_body={"pdd": {"pipeline": pipeline, **extra}}, **(settings or {}))
+    runner = Agent(name="forecaster", instructions="You answer weather questions.",
+                   model=OpenAIResponsesModel(MODEL, client), model_settings=model_settings, **agent)
     try:
-        result = await Runner.run(Agent(name="forecaster", instructions="You answer weather questions.",
-                                        model=OpenAIResponsesModel(MODEL, client), model_settings=model_settings,
-                                        **agent), prompt, max_turns=4)
+        if stream:
+            result = Runner.run_streamed(runner, prompt, max_turns=4)
+            async for _ in result.stream_events():
+                pass
+        else:
+            result = await Runner.run(runner, prompt, max_turns=4)
     finally:
         await client.close()
     for body in recorder.bodies:
@@ -411,11 +437,13 @@ async def _run(stack, pipeline: str, extra: dict, prompt: str, settings: dict | 
     return result, recorder.bodies
 
 
-async def test_agents_fill_an_output_type_on_both_pipelines(stack):
+async def test_agents_fill_an_output_type_on_both_pipelines_whole_or_streamed(stack):
     outputs = []
     for pipeline, extra in PIPELINES:
         result, bodies = await _run(stack, pipeline, extra, QUESTION, output_type=Forecast)
         assert isinstance(result.final_output, Forecast) and len(bodies) == 1
+        streamed, _ = await _run(stack, pipeline, extra, QUESTION, output_type=Forecast, stream=True)
+        assert streamed.final_output == result.final_output
         outputs.append(result.final_output)
     assert outputs[0] == outputs[1]
 
