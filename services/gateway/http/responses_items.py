@@ -167,7 +167,7 @@ def _refuse_unknown(body: Mapping[str, object]) -> None:
         value = body.get(name)
         if value is not None and value not in neutral and not (name == "reasoning" and _all_null(value)):
             raise InvalidParam(name, f"{name} is not supported by this server; leave it out"
-                                     + (f" (or at {neutral[0]!r})" if neutral else ""))
+                                     + (f" (or at {json.dumps(neutral[0])})" if neutral else ""))
 
 
 def _all_null(value: object) -> bool:
