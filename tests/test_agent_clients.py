@@ -1,6 +1,7 @@
 """Agent clients' own code paths, unmodified, against the tiny model (issue 42): openai's
 `pydantic_function_tool` with a nested model, instructor's TOOLS mode, pydantic-ai with a tool and an
-output type (its default ToolOutput and NativeOutput), and a forced call cut by max_tokens. Each runs
+output type (its default ToolOutput and NativeOutput), openai-agents' chat completions model with a
+tool and an output type, and a forced call cut by max_tokens. Each runs
 on P-MD and on P-RLD-MD with the handoff inside the grammar (every answer is grammar-made here), and
 gives the same result on both; the gateway's per-response tier counts prove each cut happened."""
 from __future__ import annotations
@@ -12,6 +13,8 @@ import httpx
 import instructor
 import openai
 import pytest
+from agents import Agent as OpenAIAgent
+from agents import ModelSettings, OpenAIChatCompletionsModel, Runner, ToolCallItem, function_tool, set_tracing_disabled
 from pydantic import BaseModel, Field
 from pydantic_ai import Agent, NativeOutput
 from pydantic_ai.exceptions import IncompleteToolCall
@@ -179,6 +182,44 @@ async def test_pydantic_ai_sees_its_output_call_cut_by_max_tokens_as_an_incomple
         with pytest.raises(IncompleteToolCall, match="exceeded while generating a tool call"):
             await run
         assert not drawn
+
+
+def openai_agent(client: openai.AsyncOpenAI, pipeline: str) -> tuple[OpenAIAgent, list[Shape]]:
+    """An openai-agents agent on the chat completions API, with one tool (a nested model) and an output type."""
+    drawn: list[Shape] = []
+
+    @function_tool
+    def draw_shape(shape: Shape) -> str:
+        """Draw a shape on the canvas."""
+        drawn.append(shape)
+        return "drawn"
+
+    settings = ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0.8, max_tokens=80,
+                             extra_args={"seed": 1}, extra_body={"pdd": PIPELINES[pipeline]})
+    return OpenAIAgent(name="painter", instructions="Draw the shape, then say where it is.", tools=[draw_shape],
+                       output_type=Verdict, model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+                       model_settings=settings), drawn
+
+
+async def test_openai_agents_on_chat_completions_calls_its_tool_then_answers_in_its_output_type(clients):
+    """openai-agents sends response_format beside its tools. tool_choice "required" first: a forced
+    call (the format waits for a later turn); the tool's output goes back, and openai-agents resets
+    tool_choice, so the second request is "auto" beside response_format, one grammar of a call or
+    the answer, and the random model answers. (openai-agents' default, the Responses API, is
+    tests/test_responses_api.py's.)"""
+    set_tracing_disabled(True)
+    outcomes = {}
+    for pipeline, (client, tiers) in clients.items():
+        agent, drawn = openai_agent(client, pipeline)
+        result = await Runner.run(agent, USER[0]["content"], max_turns=4)
+        assert isinstance(result.final_output, Verdict) and len(drawn) == 1
+        calls = [(item.raw_item.name, item.raw_item.arguments) for item in result.new_items
+                 if isinstance(item, ToolCallItem)]
+        assert [name for name, _ in calls] == ["draw_shape"]
+        assert len(tiers.by_response) == 2
+        outcomes[pipeline] = (result.final_output, calls, drawn)
+        tiers.check(pipeline)
+    assert outcomes["p-md"] == outcomes["p-rld-md"]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
