@@ -25,6 +25,12 @@ MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PART_TYPES = {"user": ("input_text",), "system": ("input_text",), "developer": ("input_text",),
                    "assistant": ("output_text", "refusal")}
 ITEM_STATUSES = (None, "in_progress", "completed", "incomplete")
+# The keys of each item type pdd takes: what it renders, and what describes the item (id, status; an
+# assistant message's phase, a hint for OpenAI's own models) as the client got it back from a response.
+ITEM_KEYS = {"message": {"type", "role", "content", "id", "status", "phase"},
+             "function_call": {"type", "id", "call_id", "name", "arguments", "status"},
+             "function_call_output": {"type", "id", "call_id", "output", "status"}}
+PART_KEYS = {"type", "text", "refusal", "annotations", "logprobs"}  # annotations and logprobs describe an answer
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # include values that add to items pdd never makes (built-in tool calls, images, reasoning): no effect
 INERT_INCLUDES = ("web_search_call.action.sources", "web_search_call.results", "code_interpreter_call.outputs",
@@ -291,6 +297,9 @@ def _item(item: object, where: str) -> Json:
     kind = item.get("type", "message" if "role" in item else None)
     if item.get("status") not in ITEM_STATUSES:
         raise InvalidParam(f"{where}.status", f"{where}.status must be one of {list(ITEM_STATUSES[1:])}")
+    unknown = sorted(set(item) - ITEM_KEYS.get(str(kind), set(item)))
+    if unknown:
+        raise InvalidParam(f"{where}.{unknown[0]}", f"{where}: this server does not take {unknown} in a {kind} item")
     if kind == "message":
         return _message_item(item, where)
     if kind == "function_call":
@@ -330,6 +339,10 @@ def _text_of(parts: object, types: tuple[str, ...], where: str) -> str:
             raise InvalidParam(f"{where}[{j}].type", f"{where}[{j}].type {kind!r} is not supported here; this server "
                                                      f"takes {list(types)} parts (text only)")
         assert isinstance(part, dict)
+        unknown = sorted(set(part) - PART_KEYS)
+        if unknown:
+            raise InvalidParam(f"{where}[{j}].{unknown[0]}", f"{where}[{j}]: this server does not take {unknown} "
+                                                             f"in a {kind} part")
         text = part.get("refusal" if kind == "refusal" else "text")
         if not isinstance(text, str):
             raise InvalidParam(f"{where}[{j}]", f"{where}[{j}] must have a string text")
