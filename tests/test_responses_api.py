@@ -415,9 +415,10 @@ class Recorder:
 
 
 async def _run(stack, pipeline: str, extra: dict, prompt: str, settings: dict | None = None, stream: bool = False,
-               **agent: object):
+               chain: bool = False, **agent: object):
     """Runner.run (or run_streamed) on an Agent whose model is openai-agents' OpenAIResponsesModel on
-    our gateway; every whole response it got must have been served across the handoff asked for."""
+    our gateway; every whole response it got must have been served across the handoff asked for.
+    `chain`: each turn sends only its new items and the previous turn's response id."""
     set_tracing_disabled(True)
     recorder = Recorder()
     client = openai.AsyncOpenAI(base_url=stack.api_url + "/v1", api_key="unused", max_retries=0,
@@ -428,11 +429,11 @@ async def _run(stack, pipeline: str, extra: dict, prompt: str, settings: dict | 
                    model=OpenAIResponsesModel(MODEL, client), model_settings=model_settings, **agent)
     try:
         if stream:
-            result = Runner.run_streamed(runner, prompt, max_turns=4)
+            result = Runner.run_streamed(runner, prompt, max_turns=4, auto_previous_response_id=chain)
             async for _ in result.stream_events():
                 pass
         else:
-            result = await Runner.run(runner, prompt, max_turns=4)
+            result = await Runner.run(runner, prompt, max_turns=4, auto_previous_response_id=chain)
     finally:
         await client.close()
     for body in recorder.bodies:
@@ -501,5 +502,13 @@ async def test_agents_with_a_nested_model_tool_and_an_output_type_on_both_pipeli
         result, bodies = await _run(stack, pipeline, extra, QUESTION, settings={"tool_choice": "required"},
                                     tools=[_forecast_tool(places)], output_type=Forecast)
         assert places and isinstance(result.final_output, Forecast), bodies
+        assert bodies[0]["output"][0]["type"] == "function_call" and len(bodies) >= 2
         runs.append((places, result.final_output))
+        # the same run with the conversation kept here: each turn sends its new items and the last id
+        chained_places: list[Place] = []
+        chained, chained_bodies = await _run(stack, pipeline, extra, QUESTION, settings={"tool_choice": "required"},
+                                             chain=True, tools=[_forecast_tool(chained_places)], output_type=Forecast)
+        assert [b["previous_response_id"] for b in chained_bodies[1:]] == [b["id"] for b in chained_bodies[:-1]]
+        assert [b["usage"]["input_tokens"] for b in chained_bodies] == [b["usage"]["input_tokens"] for b in bodies]
+        assert (chained_places, chained.final_output) == (places, result.final_output)
     assert runs[0] == runs[1]
