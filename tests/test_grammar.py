@@ -285,6 +285,12 @@ def test_each_tool_schema_keeps_its_own_defs(vocab: Vocab) -> None:
     with pytest.raises(InvalidConstraint) as raised:
         check_json_schema({"properties": {"c": {"$ref": "#/$defs/Color"}}}, "tools[0].function.parameters")
     assert raised.value.param == "tools[0].function.parameters"
+    tree = {"$defs": {"Node": {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {
+        "type": "array", "items": {"$ref": "#/$defs/Node"}}}, "required": ["v", "kids"]}}, "$ref": "#/$defs/Node"}
+    nested = vocab.grammars.new_state(constraint_for_tool_calls({**TOOLS, "tree": tree}, only="tree"))
+    nested.replay(vocab.tokenizer.encode('<tool_call>\n{"name": "tree", "arguments": {"v": 1, "kids": [{"v": 2, '
+                                         '"kids": []}]}}\n</tool_call>', add_special_tokens=False))
+    assert allowed(vocab, nested)[vocab.eos]  # a recursive model: its root's $ref is the tool's own root
 
 
 def test_calls_or_answer_admits_either_and_nothing_else(vocab: Vocab) -> None:
