@@ -23,6 +23,7 @@ from agents import (
     set_tracing_disabled,
 )
 from openai.types.responses import Response, ResponseStreamEvent, response_create_params
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field, TypeAdapter
 
 from services.gateway.http.generation import Step
@@ -384,6 +385,23 @@ async def test_a_bad_field_is_a_400_naming_it(stack, session, body, param):
     async with session.post(stack.api_url + "/v1/responses", json=body) as resp:
         error = (await resp.json())["error"]
         assert (resp.status, error["param"]) == (404 if param == "model" else 400, param), error
+
+
+async def _responses_counted(session, stack, status: str) -> float:
+    async with session.get(f"{stack.api_url}/metrics") as resp:
+        text = await resp.text()
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "pdd_http_responses_total" and sample.labels == {"route": "/v1/responses",
+                                                                                   "status": status})
+
+
+async def test_responses_are_counted_under_their_route(stack, session, client):
+    before = {status: await _responses_counted(session, stack, status) for status in ("200", "400")}
+    await client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.BadRequestError):
+        await client.responses.create(model=MODEL, input="hi", max_output_tokens=0)
+    after = {status: await _responses_counted(session, stack, status) for status in ("200", "400")}
+    assert {status: after[status] - before[status] for status in after} == {"200": 1, "400": 1}
 
 
 async def test_a_response_is_kept_until_deleted_unless_store_is_false(stack, session, client):
