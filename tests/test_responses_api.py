@@ -12,6 +12,8 @@ from typing import Literal
 import httpx
 import jsonschema
 import openai
+import pydantic_ai
+import pydantic_ai.models.openai
 import pytest
 from agents import (
     Agent,
@@ -25,6 +27,7 @@ from agents import (
 from openai.types.responses import Response, ResponseStreamEvent, response_create_params
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field, TypeAdapter
+from pydantic_ai.providers.openai import OpenAIProvider
 
 from services.gateway.http.generation import Step
 from services.gateway.http.responses_items import KNOWN_FIELDS, chat_messages, responses_param, to_chat_request
@@ -431,6 +434,14 @@ class Recorder:
             await response.aread()
             self.bodies.append(response.json())
 
+    def check_tiers(self, extra: dict) -> None:
+        """Every response was served by MD alone, or cut over from RLD at `handoff_at` (inside its grammar)."""
+        assert self.bodies
+        for body in self.bodies:
+            assert body.get("object") == "response", body
+            tiers = body["pdd"]["tokens_by_tier"]
+            assert tiers["relay"] == (extra["handoff_at"] if extra else 0) and tiers["main"] > 0, body
+
 
 async def _run(stack, pipeline: str, extra: dict, prompt: str, settings: dict | None = None, stream: bool = False,
                chain: bool = False, **agent: object):
@@ -438,9 +449,7 @@ async def _run(stack, pipeline: str, extra: dict, prompt: str, settings: dict | 
     our gateway; every whole response it got must have been served across the handoff asked for.
     `chain`: each turn sends only its new items and the previous turn's response id."""
     set_tracing_disabled(True)
-    recorder = Recorder()
-    client = openai.AsyncOpenAI(base_url=stack.api_url + "/v1", api_key="unused", max_retries=0,
-                                http_client=httpx.AsyncClient(event_hooks={"response": [recorder]}))
+    client, recorder = _recorded_client(stack)
     model_settings = ModelSettings(temperature=0, max_tokens=100, parallel_tool_calls=False,
                                    extra_body={"pdd": {"pipeline": pipeline, **extra}}, **(settings or {}))
     runner = Agent(name="forecaster", instructions="You answer weather questions.",
@@ -454,11 +463,15 @@ async def _run(stack, pipeline: str, extra: dict, prompt: str, settings: dict | 
             result = await Runner.run(runner, prompt, max_turns=4, auto_previous_response_id=chain)
     finally:
         await client.close()
-    for body in recorder.bodies:
-        assert body.get("object") == "response", body
-        tiers = body["pdd"]["tokens_by_tier"]
-        assert tiers["relay"] == (extra["handoff_at"] if extra else 0) and tiers["main"] > 0, body
+    if not stream:  # a stream's events are not recorded
+        recorder.check_tiers(extra)
     return result, recorder.bodies
+
+
+def _recorded_client(stack) -> tuple[openai.AsyncOpenAI, Recorder]:
+    recorder = Recorder()
+    return openai.AsyncOpenAI(base_url=stack.api_url + "/v1", api_key="unused", max_retries=0,
+                              http_client=httpx.AsyncClient(event_hooks={"response": [recorder]})), recorder
 
 
 async def test_agents_fill_an_output_type_on_both_pipelines_whole_or_streamed(stack):
@@ -530,3 +543,28 @@ async def test_agents_with_a_nested_model_tool_and_an_output_type_on_both_pipeli
         assert [b["usage"]["input_tokens"] for b in chained_bodies] == [b["usage"]["input_tokens"] for b in bodies]
         assert (chained_places, chained.final_output) == (places, result.final_output)
     assert runs[0] == runs[1]
+
+
+# ---- pydantic-ai's Responses model ----
+
+@pytest.mark.parametrize("native", [False, True])
+async def test_pydantic_ai_responses_model_fills_an_output_type_on_both_pipelines(stack, native):
+    """pydantic-ai's OpenAIResponsesModel: its default ToolOutput is a forced call to final_result; its
+    NativeOutput is text.format json_schema."""
+    outputs = []
+    for pipeline, extra in PIPELINES:
+        client, recorder = _recorded_client(stack)
+        model = pydantic_ai.models.openai.OpenAIResponsesModel(MODEL, provider=OpenAIProvider(openai_client=client))
+        agent = pydantic_ai.Agent(model, output_type=pydantic_ai.NativeOutput(Forecast) if native else Forecast)
+        try:
+            result = await agent.run(QUESTION, model_settings={  # type: ignore[typeddict-unknown-key]
+                "temperature": 0, "max_tokens": 80, "parallel_tool_calls": False,
+                "extra_body": {"pdd": {"pipeline": pipeline, **extra}}})
+        finally:
+            await client.close()
+        assert isinstance(result.output, Forecast)
+        recorder.check_tiers(extra)
+        kinds = [item["type"] for item in recorder.bodies[-1]["output"]]
+        assert kinds == (["message"] if native else ["function_call"]), recorder.bodies
+        outputs.append(result.output)
+    assert outputs[0] == outputs[1]
