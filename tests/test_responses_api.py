@@ -317,13 +317,15 @@ async def test_a_function_call_and_its_output_go_back_to_the_model(client):
     jsonschema.validate(json.loads(call.arguments), FORECAST_TOOL["parameters"])
     assert first.status == "completed"
     output = {"type": "function_call_output", "call_id": call.call_id, "output": '{"forecast": "sunny"}'}
+    chained = await client.responses.create(model=MODEL, previous_response_id=first.id, input=[output],
+                                            tools=[FORECAST_TOOL], max_output_tokens=8, temperature=0)
     explicit = await client.responses.create(
         model=MODEL, input=[{"role": "user", "content": QUESTION}, call.model_dump(exclude_none=True), output],
         tools=[FORECAST_TOOL], max_output_tokens=8, temperature=0)
-    chained = await client.responses.create(model=MODEL, previous_response_id=first.id, input=[output],
-                                            tools=[FORECAST_TOOL], max_output_tokens=8, temperature=0)
     assert explicit.usage.input_tokens > first.usage.input_tokens + 10
     assert chained.usage.input_tokens == explicit.usage.input_tokens  # the stored call is the same history
+    # the chained prompt begins with the first one, which P's prefix cache kept
+    assert chained.usage.input_tokens_details.cached_tokens > first.usage.input_tokens // 2
     assert chained.output_text == explicit.output_text and chained.previous_response_id == first.id
     assert (await client.responses.retrieve(first.id)).output[0].call_id == call.call_id
 
