@@ -1,7 +1,8 @@
 """Agent clients' own code paths, unmodified, against the tiny model (issue 42): openai's
 `pydantic_function_tool` with a nested model, instructor's TOOLS mode, pydantic-ai with a tool and an
 output type (its default ToolOutput and NativeOutput), openai-agents' chat completions model with a
-tool and an output type, and a forced call cut by max_tokens. Each runs
+tool and an output type, langchain-openai's bind_tools beside a response_format, and a forced call
+cut by max_tokens. Each runs
 on P-MD and on P-RLD-MD with the handoff inside the grammar (every answer is grammar-made here), and
 gives the same result on both; the gateway's per-response tier counts prove each cut happened."""
 from __future__ import annotations
@@ -15,6 +16,8 @@ import openai
 import pytest
 from agents import Agent as OpenAIAgent
 from agents import ModelSettings, OpenAIChatCompletionsModel, Runner, ToolCallItem, function_tool, set_tracing_disabled
+from langchain_core.tools import tool as langchain_tool
+from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 from pydantic_ai import Agent, NativeOutput
 from pydantic_ai.exceptions import IncompleteToolCall
@@ -58,10 +61,12 @@ class Verdict(BaseModel):
 
 
 class Tiers:
-    """The pdd summary of every whole JSON response a client got: who made how many tokens."""
+    """The pdd summary of every whole JSON response a client got (who made how many tokens), read by
+    a hook of the HTTP client `http`, which the clients under test are given."""
 
     def __init__(self) -> None:
         self.by_response: list[dict[str, int]] = []
+        self.http = httpx.AsyncClient(event_hooks={"response": [self.on_response]}, timeout=120)
 
     async def on_response(self, response: httpx.Response) -> None:
         if response.headers.get("content-type", "").startswith("application/json"):
@@ -86,12 +91,12 @@ async def clients(stack):
     made: dict[str, tuple[openai.AsyncOpenAI, Tiers]] = {}
     for pipeline in PIPELINES:
         tiers = Tiers()
-        http = httpx.AsyncClient(event_hooks={"response": [tiers.on_response]}, timeout=120)
         made[pipeline] = (openai.AsyncOpenAI(base_url=stack.api_url + "/v1", api_key="unused", max_retries=0,
-                                             http_client=http), tiers)
+                                             http_client=tiers.http), tiers)
     yield made
-    for client, _ in made.values():
+    for client, tiers in made.values():
         await client.close()
+        await tiers.http.aclose()
 
 
 async def test_openai_pydantic_function_tool_with_a_nested_model_forced(clients):
@@ -220,6 +225,34 @@ async def test_openai_agents_on_chat_completions_calls_its_tool_then_answers_in_
         outcomes[pipeline] = (result.final_output, calls, drawn)
         tiers.check(pipeline)
     assert outcomes["p-md"] == outcomes["p-rld-md"]
+
+
+@pytest.mark.parametrize("tool_choice", [None, "draw_shape"], ids=["auto", "named"])
+async def test_langchain_binds_a_tool_beside_a_response_format(stack, clients, tool_choice):
+    """langchain-openai's bind_tools(..., response_format=Verdict) sends both (it was a 400): auto is a
+    call or the parsed answer; a named tool_choice is that call, its nested arguments whole."""
+    @langchain_tool
+    def draw_shape(shape: Shape) -> str:
+        """Draw a shape on the canvas."""
+        return "drawn"
+
+    messages = {}
+    for pipeline, (_, tiers) in clients.items():
+        llm = ChatOpenAI(model=MODEL, base_url=stack.api_url + "/v1", api_key="unused", max_retries=0,
+                         temperature=0.8, seed=2, max_tokens=80, extra_body={"pdd": PIPELINES[pipeline]},
+                         http_async_client=tiers.http)
+        bound = llm.bind_tools([draw_shape], response_format=Verdict, tool_choice=tool_choice,
+                               parallel_tool_calls=False)
+        message = await bound.ainvoke(USER[0]["content"])
+        parsed = message.additional_kwargs.get("parsed")
+        if tool_choice is not None or message.tool_calls:
+            assert [c["name"] for c in message.tool_calls] == ["draw_shape"] and parsed is None
+            Shape.model_validate(message.tool_calls[0]["args"]["shape"])
+        else:
+            assert isinstance(parsed, Verdict)
+        messages[pipeline] = ([(c["name"], c["args"]) for c in message.tool_calls], parsed, message.content)
+        tiers.check(pipeline)
+    assert messages["p-md"] == messages["p-rld-md"]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
