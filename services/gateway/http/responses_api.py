@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import orjson
 from aiohttp import web
@@ -34,6 +34,7 @@ from shared.errors import InvalidParam, PddError
 if TYPE_CHECKING:
     from services.gateway.http.choices import Choice, Choices
     from services.gateway.http.generation import Step
+    from services.gateway.http.logprob_shapes import Logprobs
     from shared.config import GatewayConfig
 
 log = logging.getLogger(__name__)
@@ -124,24 +125,24 @@ class ResponseAnswer:
         self._model = model
 
     async def write(self, request: web.Request, choices: Choices) -> web.StreamResponse:
-        choice = choices.started[0]
-        logprobs = choice.shapes.logprobs
+        logprobs = choices.started[0].shapes.logprobs
         output = ResponseOutput("resp_" + choices.request_id.removeprefix("req-"), int(time.time()), self._model,
-                                self._request,
-                                None if logprobs is None else lambda step: logprobs.of([step])["content"])  # type: ignore[arg-type,return-value]
+                                self._request, None if logprobs is None else _step_logprobs(logprobs))
         if self._request.stream:
             return await self._streamed(request, choices, output)
         return await self._whole(request, choices, output)
 
     async def _whole(self, request: web.Request, choices: Choices, output: ResponseOutput) -> web.StreamResponse:
+        finish_reason = "stop"
         async for choice, step in choices.steps():
             output.step(step, _delta(choice, step))
-            if step.finish_reason is not None:
-                output.finish(step.finish_reason, *self._summary(choices, choice))
+            finish_reason = step.finish_reason or finish_reason
             if client_gone(request):
                 choices.set_close_reason("client_disconnected")
                 return web.Response(status=499, reason="Client Closed Request")  # nobody reads it
-        body = output.response(*self._summary(choices, choices.started[0]))
+        usage, pdd = self._summary(choices, choices.started[0])
+        output.finish(finish_reason, usage, pdd)
+        body = output.response(usage, pdd)
         self._keep(output, body)
         return json_response(body, headers={"X-Request-Id": choices.request_id})
 
@@ -198,6 +199,11 @@ async def _send(response: web.StreamResponse, events: list[Json]) -> None:
     for event in events:
         await sse.send(response, b"event: " + str(event["type"]).encode() + b"\n" + b"data: " + orjson.dumps(event)
                        + b"\n\n")
+
+
+def _step_logprobs(logprobs: Logprobs) -> Callable[[Step], list[Json]]:
+    """A step's entries in output_text.logprobs: chat's logprobs.content entries for its token."""
+    return lambda step: cast("list[Json]", logprobs.of([step])["content"])
 
 
 def _delta(choice: Choice, step: Step) -> Json | None:
