@@ -80,6 +80,9 @@ def counter_ids():
     ([ADD, {"type": "function", "function": {"name": "f", "parameters": "x"}}], None, "tools[1].function.parameters"),
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}], None,
      "tools[0].function.parameters"),
+    ([{"type": "function", "function": {"name": "f", "paramters": {"type": "object"}}}], None,
+     "tools[0].function.paramters"),  # else a tool that takes nothing
+    ([{"type": "function", "function": {"name": "f"}, "strict": True}], None, "tools[0].strict"),
     (TOOLS, "sometimes", "tool_choice"),
     (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice.function.name"),
     (TOOLS, {"type": "function"}, "tool_choice"),

@@ -32,6 +32,7 @@ from shared.grammar import (
     constraint_for_tool_calls,
 )
 
+FUNCTION_KEYS = ("name", "description", "parameters", "strict")  # OpenAI's FunctionDefinition
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: parameters left out
 ID_ALPHABET = string.ascii_letters + string.digits
 
@@ -127,6 +128,9 @@ def _tools(tools: object) -> tuple[Tool, ...]:
         function = tool.get("function")
         if not isinstance(function, Mapping):
             raise InvalidTools(f"{where}.function", f"{where}.function must be an object with a name")
+        _known_keys(tool, ("type", "function"), where)
+        # a misspelt "parameters" would otherwise make a tool that takes none
+        _known_keys(function, FUNCTION_KEYS, f"{where}.function")
         name = function.get("name")
         if not isinstance(name, str) or not SCHEMA_NAME.match(name):
             raise InvalidTools(f"{where}.function.name", f"{where}.function.name must be 1 to 64 letters, "
@@ -147,6 +151,12 @@ def _tools(tools: object) -> tuple[Tool, ...]:
         check_json_schema(parameters, f"{where}.function.parameters")
         parsed.append(Tool(name, description, dict(parameters)))
     return tuple(parsed)
+
+
+def _known_keys(spec: Mapping[str, object], known: tuple[str, ...], where: str) -> None:
+    unknown = sorted(set(spec) - set(known))
+    if unknown:
+        raise InvalidTools(f"{where}.{unknown[0]}", f"{where} has unknown fields {unknown}; it takes {list(known)}")
 
 
 def _tool_choice(choice: object, names: set[str]) -> tuple[ToolChoice, str | None]:
