@@ -7,6 +7,7 @@ module only orders them. Deadlines belong to the callers.
 from __future__ import annotations
 
 import asyncio
+from typing import Protocol
 
 import orjson
 import torch
@@ -16,7 +17,19 @@ from shared.errors import IncompatiblePeer, KVUnreachable, ProtocolError
 from shared.models import KVLayout
 
 
-async def read_message(reader: asyncio.StreamReader) -> dict:
+class MessageReader(Protocol):
+    """What the handshake reads from: an asyncio.StreamReader, or P's own socket (`KVConnection`'s)."""
+
+    async def readexactly(self, n: int) -> bytes: ...
+
+
+class MessageWriter(Protocol):
+    def write(self, data: bytes) -> None: ...
+
+    async def drain(self) -> None: ...
+
+
+async def read_message(reader: MessageReader) -> dict:
     """One length-prefixed JSON object of the handshake."""
     length = kv_wire.unpack_length(await reader.readexactly(kv_wire.LENGTH_PREFIX_BYTES))
     try:
@@ -66,7 +79,7 @@ async def welcome(writer: asyncio.StreamWriter, layout: KVLayout, secret: bytes 
 
 # --- P's half ------------------------------------------------------------------------------------
 
-async def greet_receiver(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, layout: KVLayout,
+async def greet_receiver(reader: MessageReader, writer: MessageWriter, layout: KVLayout,
                          wire_dtype: torch.dtype, secret: bytes | None, peer: str) -> float | None:
     """Answer the decoder's challenge and check its proof; returns its idle deadline (None: none).
     KVUnreachable when it refuses for its connection caps, IncompatiblePeer for anything else."""

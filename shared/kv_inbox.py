@@ -2,11 +2,14 @@
 
 Progress is counted per connection: bytes arriving on a connection move every request it carries,
 so a request whose frames queue behind other requests' frames on a busy link waits, it does not
-stall. Knows nothing of sockets: `shared.kv_receiver` reads the frames and hands them in.
+stall. Knows nothing of sockets: `shared.kv_reader` reads each frame's payload straight into the
+rows `KVInbox.rows` gives it. `KVBuffers` keeps freed destinations for the next inbox, whose
+pages are then already mapped.
 """
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import torch
@@ -17,6 +20,37 @@ from shared.kv_transfer_state import TransferMachine, TransferState
 from shared.models import KVLayout
 
 LINK_SAMPLE_MIN_BYTES = 1024 * 1024  # a smaller transfer can arrive from buffers faster than the link
+BUFFER_POOL_BYTES = 4 * 1024 ** 3  # free destination memory a receiver keeps for the next inboxes
+SERIAL_COPY_ELEMENTS = 32 * 1024 - 1  # under torch's grain size: a copy this small runs on the calling thread
+
+
+class KVBuffers:
+    """Destination memory for inboxes, reused. A fresh allocation's pages are zeroed by the kernel as
+    the KV first lands in them (a fifth of a receiver's CPU per byte); a reused buffer's are mapped
+    already. Keeps at most `capacity_bytes` of free buffers, the newest."""
+
+    def __init__(self, capacity_bytes: int = BUFFER_POOL_BYTES) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._free: list[torch.Tensor] = []  # flat uint8, oldest first
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(buffer.numel() for buffer in self._free)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 buffer of at least nbytes, and at most twice that (a big one is kept for a big request)."""
+        fits = [i for i, buffer in enumerate(self._free) if nbytes <= buffer.numel() <= 2 * nbytes]
+        if not fits:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))  # by index: == compares tensors
+
+    def give(self, buffer: torch.Tensor) -> None:
+        """Keep a buffer nothing uses any more."""
+        if not buffer.numel() or buffer.numel() > self.capacity_bytes:
+            return
+        self._free.append(buffer)
+        while self.free_bytes > self.capacity_bytes:
+            del self._free[0]
 
 
 class InboundLink:
@@ -50,13 +84,18 @@ class KVInbox(TransferMachine):
     """One request's KV arriving at a decoder: tokens [token_start, token_end) of every layer."""
 
     def __init__(self, request_id: str, layout: KVLayout, token_start: int, token_end: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, buffer: torch.Tensor | None = None) -> None:
         self.request_id = request_id
         self.token_start = token_start
         self.token_end = token_end
         self.layout = layout
         tokens = token_end - token_start
-        self.kv = torch.empty(layout.num_layers, 2, layout.kv_heads, tokens, layout.head_dim, dtype=dtype)
+        shape = (layout.num_layers, 2, layout.kv_heads, tokens, layout.head_dim)
+        nbytes = math.prod(shape) * dtype.itemsize
+        # buffer: flat uint8 memory of at least nbytes to write into (KVBuffers'), else a fresh one
+        self.buffer = buffer if buffer is not None else torch.empty(nbytes, dtype=torch.uint8)
+        self.kv = self.buffer[:nbytes].view(dtype).view(shape)
+        self._row_bytes = self.buffer[:nbytes].numpy().reshape(*shape[:4], layout.head_dim * dtype.itemsize)
         self._cells_needed = layout.num_layers * tokens
         self._cells_filled = 0
         self._seen: set[tuple[int, int, int, int]] = set()
@@ -71,23 +110,52 @@ class KVInbox(TransferMachine):
         if tokens == 0:
             self._finish()
 
-    def accept(self, header: kv_wire.FrameHeader, kv: torch.Tensor) -> None:
+    def claim(self, header: kv_wire.FrameHeader) -> bool:
+        """Whether a DATA frame's payload is wanted, decided from its header before the payload is
+        read: not once the transfer ended, nor for a duplicate (same layer and token range: a second
+        copy changes nothing); a frame outside the expected range fails the transfer."""
         if self.ended:
-            return
+            return False
         key = (header.layer_start, header.layer_end, header.token_start, header.token_end)
         if key in self._seen:
-            return  # a duplicate frame changes nothing
+            return False
         if (header.layer_end > self.layout.num_layers or header.token_start < self.token_start
                 or header.token_end > self.token_end):
             self.fail(ProtocolError(f"frame {key} outside the expected range"))
-            return
+            return False
         if self.state is TransferState.WAITING:
             self._move(TransferState.TRANSFERRING)
             self.first_frame_at = time.monotonic()
         self._seen.add(key)
+        return True
+
+    def rows(self, header: kv_wire.FrameHeader) -> list[memoryview] | None:
+        """A claimed frame's destination: its payload's rows, in order, as views of this transfer's own
+        KV memory (None when the frame's dtype is not the KV's: then it is read whole and `place`d)."""
+        if header.dtype != self.kv.dtype:
+            return None
         t0, t1 = header.token_start - self.token_start, header.token_end - self.token_start
-        self.kv[header.layer_start:header.layer_end, :, :, t0:t1].copy_(kv)
-        self._cells_filled += (header.layer_end - header.layer_start) * (t1 - t0)
+        window = self._row_bytes[header.layer_start:header.layer_end, :, :, t0:t1]
+        return [memoryview(window[layer, half, head]).cast("B")
+                for layer in range(window.shape[0]) for half in range(2) for head in range(window.shape[2])]
+
+    def place(self, header: kv_wire.FrameHeader, kv: torch.Tensor) -> None:
+        """A claimed frame read whole ([layers, 2, kv_heads, tokens, head_dim] in its wire dtype),
+        converted into the KV on this thread: never a torch thread pool woken for a copy."""
+        t0, t1 = header.token_start - self.token_start, header.token_end - self.token_start
+        into = self.kv[header.layer_start:header.layer_end, :, :, t0:t1].flatten(0, 2)  # [rows, tokens, head_dim]
+        rows = kv.reshape(into.shape)
+        step = max(1, SERIAL_COPY_ELEMENTS // max(1, into.shape[2]))
+        for row in range(into.shape[0]):
+            for start in range(0, into.shape[1], step):
+                into[row, start:start + step].copy_(rows[row, start:start + step])
+        self.filled(header)
+
+    def filled(self, header: kv_wire.FrameHeader) -> None:
+        """A claimed frame's payload is in place, its checksum matched."""
+        if self.ended:
+            return
+        self._cells_filled += (header.layer_end - header.layer_start) * (header.token_end - header.token_start)
         self.bytes_received += header.payload_len
         if self._cells_filled >= self._cells_needed:
             self._finish()

@@ -1,6 +1,7 @@
-"""The decoder's KV port (`KVReceiver`): it handshakes senders and routes their frames into the
-`KVInbox` of each request it expects; frames for a request it does not expect (late, duplicate,
-aborted) are read and dropped as they stream in.
+"""The decoder's KV port (`KVReceiver`): it handshakes senders, then hands each connection to a
+`FrameReader` (`shared.kv_reader`) that reads its frames straight into the `KVInbox` of each
+request it expects; frames for a request it does not expect (late, duplicate, aborted) are read
+and dropped as they stream in.
 
 The port faces strangers (`KVLimits`): it caps connections per peer address and in total, holds
 frames to a sane size, and closes a connection that idles without an open transfer or trickles a
@@ -12,21 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import torch
 
 from shared import kv_handshake, kv_wire
 from shared.config import KVLimits
 from shared.errors import DeadlineExceeded, IncompatiblePeer, ProtocolError
-from shared.kv_inbox import InboundLink, KVInbox
+from shared.kv_inbox import BUFFER_POOL_BYTES, InboundLink, KVBuffers, KVInbox
+from shared.kv_reader import FrameReader
 from shared.models import KVLayout
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 3.0  # a sender answers within a round trip (its hello may queue behind KV on a slow WAN)
 MAX_HANDSHAKES = 1024  # unauthenticated connections at once, from anyone (each costs a socket, no buffer)
-PROGRESS_READ_BYTES = 256 * 1024  # the most a receiver reads at once inside one frame
 
 
 class KVReceiver:
@@ -38,7 +38,7 @@ class KVReceiver:
 
     def __init__(self, layout: KVLayout, dtype: torch.dtype, secret: bytes | None = None,
                  limits: KVLimits = KVLimits(), *, max_handshakes: int = MAX_HANDSHAKES,
-                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, buffer_pool_bytes: int = BUFFER_POOL_BYTES) -> None:
         self.layout = layout
         self.dtype = dtype
         self.secret = secret
@@ -51,6 +51,7 @@ class KVReceiver:
         self.idle_closes = 0
         self.slow_closes = 0  # a frame trickled in slower than the read deadline allows
         self.inboxes: dict[str, KVInbox] = {}
+        self.buffers = KVBuffers(buffer_pool_bytes)  # inboxes' memory, reused once released
         self.frames_dropped = 0
         self._server: asyncio.Server | None = None
         self._handshaking: dict[asyncio.StreamWriter, None] = {}  # not authenticated yet, oldest first
@@ -68,14 +69,20 @@ class KVReceiver:
         return len(self._handshaking)
 
     def expect(self, request_id: str, token_start: int, token_end: int) -> KVInbox:
-        inbox = KVInbox(request_id, self.layout, token_start, token_end, self.dtype)
+        layout = self.layout
+        nbytes = layout.num_layers * 2 * layout.kv_heads * (token_end - token_start) * layout.head_dim
+        buffer = self.buffers.take(nbytes * self.dtype.itemsize)
+        inbox = KVInbox(request_id, self.layout, token_start, token_end, self.dtype, buffer)
         self.inboxes[request_id] = inbox
         return inbox
 
     def release(self, request_id: str, reason: str = "released") -> None:
+        """Drop a request's inbox; its memory goes back to the pool, so the caller must hold no view
+        of its KV any more (the decoder has copied it into its engine, or gave up on it)."""
         inbox = self.inboxes.pop(request_id, None)
         if inbox is not None:
             inbox.abort(reason)
+            self.buffers.give(inbox.buffer)
 
     async def start(self, host: str, port: int) -> int:
         self._server = await asyncio.start_server(self._serve_connection, host, port)
@@ -109,10 +116,8 @@ class KVReceiver:
         self._make_room_to_handshake()
         self._handshaking[writer] = None
         try:
-            if await self._admit(reader, writer, address):
-                link = InboundLink(f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer))
-                while True:
-                    await self._read_frame(reader, link)
+            if (frames := await self._admit(reader, writer, address, peer)) is not None:
+                await frames.closed
         except asyncio.IncompleteReadError:
             log.debug("KV peer %s closed", peer)
         except DeadlineExceeded as exc:
@@ -145,119 +150,28 @@ class KVReceiver:
             self.handshake_evictions += 1
             self.refused_connections += 1
 
-    async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, address: str) -> bool:
-        """Authenticate the peer, then count it against the caps: False when it was refused for them
-        (told so, `busy`) or dropped from the handshake budget meanwhile."""
+    async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, address: str,
+                     peer: object) -> FrameReader | None:
+        """Authenticate the peer, then count it against the caps: None when it was refused for them
+        (told so, `busy`) or dropped from the handshake budget meanwhile. Admitted, its frames are
+        read by a FrameReader from before the WELCOME leaves (P sends none before it has the WELCOME)."""
         async with asyncio.timeout(self.handshake_timeout_s):
             sender_nonce = await kv_handshake.check_sender(reader, writer, self.layout, self.secret)
             if writer not in self._handshaking:  # evicted while its hello was already in the buffer
-                return False
+                return None
             del self._handshaking[writer]
             if (reason := self._over_cap(address)) is not None:
                 self.refused_connections += 1
                 log.warning("KV peer %s refused: %s", address, reason)
                 kv_handshake.refuse(writer, reason, busy=True)
                 await writer.drain()
-                return False
+                return None
             self._writers.add(writer)
             self._per_peer[address] = self._per_peer.get(address, 0) + 1
+            link = InboundLink(f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer))
+            frames = FrameReader(self, link, writer.transport)
+            writer.transport.set_protocol(frames)
+            if isinstance(writer.transport, asyncio.ReadTransport):
+                writer.transport.resume_reading()  # in case the stream had paused it
             await kv_handshake.welcome(writer, self.layout, self.secret, sender_nonce, self.limits.idle_timeout_s)
-        return True
-
-    async def _read_frame(self, reader: asyncio.StreamReader, link: InboundLink) -> None:
-        raw = bytearray(await self._frame_start(reader, link))
-        raw += await self._read_steadily(reader, kv_wire.FRAME_HEADER.size - len(raw), link, keep=True)
-        header = kv_wire.unpack_header(bytes(raw), max_payload=self.max_payload)
-        if header.kind is kv_wire.FrameKind.DATA and (header.kv_heads, header.head_dim) != (
-                self.layout.kv_heads, self.layout.head_dim):
-            raise ProtocolError(f"frame of {header.kv_heads} KV heads of {header.head_dim}, this decoder has "
-                                f"{self.layout.kv_heads} of {self.layout.head_dim}")
-        inbox = self.inboxes.get(header.request_id)
-        if inbox is not None and not inbox.ended:
-            inbox.heard_on(link)
-        if header.kind is not kv_wire.FrameKind.DATA or inbox is None or inbox.ended:
-            await self._read_steadily(reader, header.payload_len, link, keep=False)  # never held whole
-        if header.kind is kv_wire.FrameKind.KEEPALIVE:
-            if inbox is not None:
-                inbox.keepalive()
-            return
-        if inbox is None or inbox.ended:
-            self.frames_dropped += 1
-            return
-        if header.kind is kv_wire.FrameKind.ABORT:
-            inbox.abort("sender aborted")
-        elif header.kind is kv_wire.FrameKind.DATA:
-            started_at = time.monotonic()
-            payload = await self._read_steadily(reader, header.payload_len, link, keep=True)
-            inbox.payload_read(started_at, time.monotonic())
-            try:
-                inbox.accept(header, await asyncio.to_thread(kv_wire.payload_to_tensor, header, payload))  # crc32
-            except ProtocolError as exc:
-                inbox.fail(exc)
-                raise
-
-    async def _frame_start(self, reader: asyncio.StreamReader, link: InboundLink) -> bytes:
-        """The first bytes of the next frame. A connection may wait `idle_timeout_s` for one, unless a
-        transfer it carries is open: that transfer's own stall deadline judges its silence."""
-        idle_s = self.limits.idle_timeout_s or None
-        part: bytes | None
-        while True:
-            try:
-                async with asyncio.timeout(idle_s):
-                    part = await reader.read(kv_wire.FRAME_HEADER.size)
-                break
-            except TimeoutError:
-                if (part := await _buffered(reader, kv_wire.FRAME_HEADER.size)) is not None:
-                    break  # it arrived together with the deadline
-                if not link.carries_open_transfer:
-                    self.idle_closes += 1
-                    raise DeadlineExceeded(f"no frame for {idle_s:g}s") from None
-        if not part:
-            raise asyncio.IncompleteReadError(b"", kv_wire.FRAME_HEADER.size)
-        link.saw_bytes(len(part))
-        return part
-
-    async def _read_steadily(self, reader: asyncio.StreamReader, length: int, link: InboundLink, *,
-                             keep: bool) -> bytearray:
-        """`length` bytes taken as they arrive, in pieces of at most PROGRESS_READ_BYTES (each tells the
-        link, and every request it carries, that it moves); with `keep` False they are dropped as they
-        come. Each `read_window_s` must bring `read_min_bytes` or the rest: a trickle is closed."""
-        kept = bytearray(length if keep else 0)
-        window_s, loop = self.limits.read_window_s, asyncio.get_running_loop()
-        got = window_got = 0
-        window_end, window_due = loop.time() + window_s, min(self.limits.read_min_bytes, length)
-        part: bytes | None
-        with memoryview(kept) as view:
-            while got < length:
-                if window_s > 0 and loop.time() >= window_end:
-                    if window_got < window_due:
-                        self.slow_closes += 1
-                        raise DeadlineExceeded(f"{window_got} bytes of a frame in {window_s:g}s, under the "
-                                               f"{window_due} the read deadline asks")
-                    window_got, window_due = 0, min(self.limits.read_min_bytes, length - got)
-                    window_end = loop.time() + window_s
-                want = min(length - got, PROGRESS_READ_BYTES)
-                try:
-                    async with asyncio.timeout_at(window_end if window_s > 0 else None):
-                        part = await reader.read(want)
-                except TimeoutError:
-                    if (part := await _buffered(reader, want)) is None:
-                        continue
-                if not part:
-                    raise asyncio.IncompleteReadError(bytes(view[:got]), length)
-                if keep:
-                    view[got:got + len(part)] = part
-                got += len(part)
-                window_got += len(part)
-                link.saw_bytes(len(part))
-        return kept
-
-
-async def _buffered(reader: asyncio.StreamReader, limit: int) -> bytes | None:
-    """Up to `limit` bytes the reader already holds (b"" at EOF), or None: a deadline and data can
-    land in the same turn of the loop, and the data counts. A zero timeout fires only if read waits."""
-    try:
-        async with asyncio.timeout(0):
-            return await reader.read(limit)
-    except TimeoutError:
-        return None
+        return frames

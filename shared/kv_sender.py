@@ -21,7 +21,7 @@ import torch
 
 from shared import kv_handshake, kv_wire
 from shared.errors import KVUnreachable, PddError, PeerGone
-from shared.kv_connection import KVConnection
+from shared.kv_connection import KVConnection, SocketStream, open_socket
 from shared.kv_transfer_state import TransferMachine, TransferState
 from shared.messages import KVTarget
 from shared.models import KVLayout
@@ -111,21 +111,22 @@ class KVSender:
         return True
 
     async def _open(self, host: str, port: int) -> KVConnection:
-        writer = None
+        sock = None
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                reader, writer = await asyncio.open_connection(host, port)
-                idle_s = await kv_handshake.greet_receiver(reader, writer, self.layout, self.wire_dtype, self.secret,
+                sock = await open_socket(host, port)
+                stream = SocketStream(sock)
+                idle_s = await kv_handshake.greet_receiver(stream, stream, self.layout, self.wire_dtype, self.secret,
                                                            f"{host}:{port}")
-        except TimeoutError as exc:
-            raise KVUnreachable(f"KV connect to {host}:{port} took over {self.connect_timeout_s}s") from exc
-        except (OSError, asyncio.IncompleteReadError) as exc:
-            raise KVUnreachable(f"KV connect to {host}:{port} failed: {exc}") from exc
-        except PddError:
-            if writer is not None:
-                writer.close()
+        except BaseException as exc:
+            if sock is not None:
+                sock.close()
+            if isinstance(exc, TimeoutError):
+                raise KVUnreachable(f"KV connect to {host}:{port} took over {self.connect_timeout_s}s") from exc
+            if isinstance(exc, (OSError, asyncio.IncompleteReadError)):
+                raise KVUnreachable(f"KV connect to {host}:{port} failed: {exc}") from exc
             raise
-        return KVConnection(reader, writer, idle_s)
+        return KVConnection(sock, idle_s)
 
     def drop(self, host: str, port: int) -> None:
         for conn in self._pools.pop((host, port), []):
@@ -191,6 +192,11 @@ class TransferResult:
 
 
 _END = object()
+Frame = tuple[bytes, list[memoryview]]  # a DATA frame's header and its payload's rows
+
+
+def _payload_bytes(rows: list[memoryview]) -> int:
+    return sum(len(row) for row in rows)
 
 
 class OutgoingTransfer(TransferMachine):
@@ -323,9 +329,29 @@ class OutgoingTransfer(TransferMachine):
             if self.background_bytes_per_s:
                 await self._send_in_background(conns, token_start, item)
                 continue
-            frames = await asyncio.to_thread(self._frames, token_start, item)  # conversion and crc32 off the loop
-            self.kv_bytes += sum(len(header) + len(payload) for header, payload in frames)
-            await asyncio.gather(*(self._write_frames(conn, frames[i::len(conns)]) for i, conn in enumerate(conns)))
+            await self._stripe(conns, token_start, item)
+
+    async def _stripe(self, conns: list[KVConnection], token_start: int, kv: torch.Tensor) -> None:
+        """Write a chunk's frames over all connections: each takes the next frame as soon as it has
+        written its last, so a slower connection carries fewer (the receiver places frames by their
+        layer and token range, whatever the order). Each frame's checksum is taken on the default
+        executor (crc32c releases the GIL), all of them queued at once, so frame i+1's overlaps
+        frame i's write and nothing of it runs on the loop."""
+        loop = asyncio.get_running_loop()
+        if not self._in_place(kv):
+            kv = await asyncio.to_thread(self._wire_copy, kv)
+        packed = [loop.run_in_executor(None, kv_wire.pack_data_frame, self.request_id, layer, start, part,
+                                       self.sender.wire_dtype)
+                  for layer, start, part in self._cuts(token_start, kv, MAX_FRAME_BYTES)]
+        pending = iter(packed)
+
+        async def carry(conn: KVConnection) -> None:
+            for frame in pending:
+                header, rows = await frame
+                self.kv_bytes += len(header) + _payload_bytes(rows)
+                await self._write(conn, header, *rows)
+
+        await asyncio.gather(*(carry(conn) for conn in conns))
 
     async def _send_in_background(self, conns: list[KVConnection], token_start: int, kv: torch.Tensor) -> None:
         """A chunk as small frames, one at a time, each once no foreground transfer to the decoder is
@@ -333,12 +359,12 @@ class OutgoingTransfer(TransferMachine):
         most one small frame ahead of it (the link's buffers may hold more than P can see)."""
         host, port = self.target.host, self.target.port
         frames = await asyncio.to_thread(self._frames, token_start, kv, BACKGROUND_FRAME_BYTES)
-        for i, frame in enumerate(frames):
+        for i, (header, rows) in enumerate(frames):
             while not await self.sender.wait_quiet(host, port, self.sender.keepalive_s):
                 await asyncio.gather(*(self._write(conn, self._keepalive_frame) for conn in conns))
-            size = len(frame[0]) + len(frame[1])
+            size = len(header) + _payload_bytes(rows)
             self.kv_bytes += size
-            await self._write(conns[i % len(conns)], *frame)
+            await self._write(conns[i % len(conns)], header, *rows)
             await asyncio.sleep(size / self.background_bytes_per_s)
 
     async def _wait_for_release(self, conns: list[KVConnection]) -> None:
@@ -350,20 +376,34 @@ class OutgoingTransfer(TransferMachine):
             except TimeoutError:
                 await asyncio.gather(*(self._write(conn, self._keepalive_frame) for conn in conns))
 
-    def _frames(self, token_start: int, kv: torch.Tensor,
-                frame_bytes: int = MAX_FRAME_BYTES) -> list[tuple[bytes, memoryview]]:
-        """Cut a chunk into frames of at most frame_bytes (or one token's KV), so they spread over
-        connections and a stalled link is noticed within one small frame's time."""
-        tokens = kv.shape[3]
-        token_bytes = max(1, kv[:, :, :, :1].numel() * self.sender.wire_dtype.itemsize)
-        step = max(1, min(tokens, frame_bytes // token_bytes))
-        return [kv_wire.pack_data_frame(self.request_id, 0, token_start + offset,
-                                        kv[:, :, :, offset:offset + step], self.sender.wire_dtype)
-                for offset in range(0, tokens, step)]
+    def _in_place(self, kv: torch.Tensor) -> bool:
+        """Whether kv's own memory can go on the wire: on the CPU, in the wire dtype, rows contiguous."""
+        return kv.dtype == self.sender.wire_dtype and kv_wire.rows_in_place(kv)
 
-    async def _write_frames(self, conn: KVConnection, frames: list[tuple[bytes, memoryview]]) -> None:
-        for frame in frames:
-            await self._write(conn, *frame)
+    def _wire_copy(self, kv: torch.Tensor) -> torch.Tensor:
+        return kv.to(device="cpu", dtype=self.sender.wire_dtype).contiguous()
+
+    @staticmethod
+    def _cuts(token_start: int, kv: torch.Tensor, frame_bytes: int) -> list[tuple[int, int, torch.Tensor]]:
+        """Where a chunk's frames fall, as (layer start, token start, view): at most frame_bytes each,
+        so they spread over connections and a stalled link is noticed within one small frame's time.
+        Whole layers of the chunk's tokens where one layer fits (each row then runs the chunk's
+        length), else one layer cut between tokens."""
+        layers, _, kv_heads, tokens, head_dim = kv.shape
+        token_bytes = max(1, 2 * kv_heads * head_dim * kv.dtype.itemsize)  # one token of one layer
+        if tokens * token_bytes <= frame_bytes:
+            step = max(1, frame_bytes // (tokens * token_bytes))
+            return [(layer, token_start, kv[layer:layer + step]) for layer in range(0, layers, step)]
+        step = max(1, frame_bytes // token_bytes)
+        return [(layer, token_start + offset, kv[layer:layer + 1, :, :, offset:offset + step])
+                for layer in range(layers) for offset in range(0, tokens, step)]
+
+    def _frames(self, token_start: int, kv: torch.Tensor, frame_bytes: int) -> list[Frame]:
+        """A chunk's frames, packed here and now (the background path's, on a worker thread)."""
+        if not self._in_place(kv):
+            kv = self._wire_copy(kv)
+        return [kv_wire.pack_data_frame(self.request_id, layer, start, part, self.sender.wire_dtype)
+                for layer, start, part in self._cuts(token_start, kv, frame_bytes)]
 
     async def _write(self, conn: KVConnection, *parts: bytes | memoryview) -> None:
         try:

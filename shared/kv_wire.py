@@ -6,7 +6,10 @@ HMAC of the receiver's nonce), and a WELCOME (with an HMAC of the sender's nonce
 authentication is mutual) or a REFUSE from the receiver; after that, frames only. A frame is a
 fixed header (see FRAME_HEADER) and, for DATA, a payload of `payload_len` bytes holding K and V
 for a layer range and a token range, laid out as [layers, 2 (K, V), kv_heads, tokens, head_dim]
-in the frame's dtype. This module only packs and checks bytes; it owns no sockets.
+in the frame's dtype, checked by a CRC32C (Castagnoli, hardware) of the payload. A payload is
+written and read as rows (`payload_rows`): one [tokens, head_dim] run per (layer, K/V, head), each
+contiguous in the KV tensor, so neither side copies a frame together or apart. This module only
+packs and checks bytes; it owns no sockets.
 """
 from __future__ import annotations
 
@@ -16,9 +19,10 @@ import hmac
 import secrets
 import struct
 import uuid
-import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import crc32c
 import orjson
 import torch
 
@@ -27,13 +31,13 @@ from shared.models import KVLayout
 from shared.names import DType
 
 MAGIC = b"PDKV"
-PROTOCOL_VERSION = 3  # 3: KEEPALIVE frames; the END frame of version 2 is gone
+PROTOCOL_VERSION = 4  # 4: the checksum is CRC32C (3: zlib CRC-32; KEEPALIVE frames; no END frame)
 MAX_HELLO_BYTES = 64 * 1024
 MAX_PAYLOAD_BYTES = 256 * 1024 * 1024  # the format's ceiling; a receiver holds frames to max_payload_bytes
 FRAME_PAYLOAD_BYTES = 2 * 1024 * 1024  # what a sender puts in one frame, unless one token's KV alone is more
 
 # magic, version, kind, dtype code, pad, request id (16 bytes), layer start/end, token start/end,
-# kv heads, head dim, payload length, crc32 of the payload
+# kv heads, head dim, payload length, crc32c of the payload
 FRAME_HEADER = struct.Struct("!4sBBBx16sHHIIHHII")
 _LENGTH = struct.Struct("!I")
 
@@ -78,12 +82,22 @@ def request_id_bytes(request_id: str) -> bytes:
     return uuid.UUID(request_id.removeprefix("req-")).bytes
 
 
+def checksum(parts: Sequence[bytes | bytearray | memoryview], crc: int = 0) -> int:
+    """CRC32C of the parts back to back (hardware-accelerated; releases the GIL on large parts)."""
+    for part in parts:
+        crc = crc32c.crc32c(part, crc)
+    return crc
+
+
 def pack_header(kind: FrameKind, request_id: str, layer_range: tuple[int, int], token_range: tuple[int, int],
-                dtype: torch.dtype, kv_heads: int, head_dim: int, payload: bytes | memoryview = b"") -> bytes:
+                dtype: torch.dtype, kv_heads: int, head_dim: int,
+                payload: Sequence[bytes | bytearray | memoryview] | bytes = ()) -> bytes:
+    """A frame header; `payload` is the payload, whole or as its parts (rows) in order."""
+    parts = [payload] if isinstance(payload, bytes) else payload
     return FRAME_HEADER.pack(
         MAGIC, PROTOCOL_VERSION, kind, DTYPE_CODES[dtype], request_id_bytes(request_id),
         layer_range[0], layer_range[1], token_range[0], token_range[1], kv_heads, head_dim,
-        len(payload), zlib.crc32(payload))
+        sum(len(part) for part in parts), checksum(parts))
 
 
 def pack_control_frame(kind: FrameKind, request_id: str, layout: KVLayout, dtype: torch.dtype) -> bytes:
@@ -91,15 +105,37 @@ def pack_control_frame(kind: FrameKind, request_id: str, layout: KVLayout, dtype
     return pack_header(kind, request_id, (0, 0), (0, 0), dtype, layout.kv_heads, layout.head_dim)
 
 
+def rows_in_place(kv: torch.Tensor) -> bool:
+    """Whether kv [layers, 2, kv_heads, tokens, head_dim] is on the CPU with each row contiguous."""
+    return kv.device.type == "cpu" and kv.stride(4) == 1 and (kv.shape[3] <= 1 or kv.stride(3) == kv.shape[4])
+
+
+def payload_rows(kv: torch.Tensor) -> list[memoryview] | None:
+    """kv [layers, 2, kv_heads, tokens, head_dim] on the CPU as the payload's rows, views of its own
+    memory: one per (layer, K/V, head), each [tokens, head_dim] contiguous. None when a row is not
+    contiguous in memory (then the caller makes a contiguous copy first)."""
+    if not rows_in_place(kv):
+        return None
+    if not kv.numel():
+        return []
+    array = kv.view(torch.uint8).numpy()  # uint8 [layers, 2, kv_heads, tokens, head_dim * itemsize], shares kv's memory
+    return [memoryview(array[layer, half, head]).cast("B")
+            for layer in range(array.shape[0]) for half in range(2) for head in range(array.shape[2])]
+
+
 def pack_data_frame(request_id: str, layer_start: int, token_start: int,
-                    kv: torch.Tensor, wire_dtype: torch.dtype) -> tuple[bytes, memoryview]:
-    """kv: [layers, 2, kv_heads, tokens, head_dim]. Returns (header, payload) to write back to back."""
-    wire = kv.to(device="cpu", dtype=wire_dtype).contiguous()
-    payload = wire.view(torch.uint8).numpy().data.cast("B")
-    layers, _, kv_heads, tokens, head_dim = wire.shape
+                    kv: torch.Tensor, wire_dtype: torch.dtype) -> tuple[bytes, list[memoryview]]:
+    """kv: [layers, 2, kv_heads, tokens, head_dim]. Returns (header, payload rows) to write back to back:
+    the rows are views of kv's own memory where it is on the CPU in the wire dtype with contiguous
+    rows, else of one contiguous copy."""
+    if kv.dtype != wire_dtype or (rows := payload_rows(kv)) is None:
+        kv = kv.to(device="cpu", dtype=wire_dtype).contiguous()
+        rows = payload_rows(kv)
+        assert rows is not None  # a contiguous CPU tensor has contiguous rows
+    layers, _, kv_heads, tokens, head_dim = kv.shape
     header = pack_header(FrameKind.DATA, request_id, (layer_start, layer_start + layers),
-                         (token_start, token_start + tokens), wire_dtype, kv_heads, head_dim, payload)
-    return header, payload
+                         (token_start, token_start + tokens), wire_dtype, kv_heads, head_dim, rows)
+    return header, rows
 
 
 def max_payload_bytes(layout: KVLayout) -> int:
@@ -134,8 +170,8 @@ def unpack_header(data: bytes, request_id_prefix: str = "req-",
 
 
 def payload_to_tensor(header: FrameHeader, payload: bytes | bytearray) -> torch.Tensor:
-    """Check the checksum and view the payload as [layers, 2, kv_heads, tokens, head_dim]."""
-    if zlib.crc32(payload) != header.crc32:
+    """Check the checksum and view a whole payload as [layers, 2, kv_heads, tokens, head_dim]."""
+    if crc32c.crc32c(payload) != header.crc32:
         raise ProtocolError(f"checksum mismatch in frame for {header.request_id}")
     flat = torch.frombuffer(bytearray(payload) if isinstance(payload, bytes) else payload, dtype=header.dtype)
     return flat.view(header.layer_end - header.layer_start, 2, header.kv_heads,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import uuid
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -26,14 +27,14 @@ def test_data_frame_round_trip(wire_dtype: torch.dtype) -> None:
     header_bytes, payload = kv_wire.pack_data_frame(rid, 0, 10, kv, wire_dtype)
     header = kv_wire.unpack_header(header_bytes)
     assert (header.request_id, header.token_start, header.token_end) == (rid, 10, 17)
-    assert header.dtype == wire_dtype and header.payload_len == len(payload)
-    back = kv_wire.payload_to_tensor(header, bytes(payload))
+    assert header.dtype == wire_dtype and header.payload_len == sum(len(row) for row in payload)
+    back = kv_wire.payload_to_tensor(header, b"".join(payload))
     assert torch.equal(back, kv.to(wire_dtype))
 
 
 def test_corrupted_payload_fails_checksum() -> None:
     header_bytes, payload = kv_wire.pack_data_frame(_rid(), 0, 0, torch.randn(4, 2, 2, 3, 16), torch.float32)
-    corrupted = bytearray(payload)
+    corrupted = bytearray(b"".join(payload))
     corrupted[5] ^= 0xFF
     with pytest.raises(ProtocolError, match="checksum"):
         kv_wire.payload_to_tensor(kv_wire.unpack_header(header_bytes), bytes(corrupted))
@@ -91,4 +92,22 @@ def test_any_valid_frame_parses_back(layer_start: int, layers: int, token_start:
     header_bytes, payload = kv_wire.pack_data_frame(_rid(), layer_start, token_start, kv, dtype)
     header = kv_wire.unpack_header(header_bytes)
     assert (header.layer_start, header.layer_end) == (layer_start, layer_start + layers)
-    assert torch.equal(kv_wire.payload_to_tensor(header, bytes(payload)), kv.to(dtype))
+    assert torch.equal(kv_wire.payload_to_tensor(header, b"".join(payload)), kv.to(dtype))
+
+
+def test_a_token_slice_is_sent_from_its_own_memory() -> None:
+    """A chunk cut out of P's KV (strided over tokens) goes out as rows of that KV's memory, no copy,
+    and its payload is the same bytes as the contiguous copy's."""
+    kv = torch.randn(4, 2, 2, 64, 16, dtype=torch.bfloat16)
+    chunk = kv[:, :, :, 16:40]
+    header_bytes, rows = kv_wire.pack_data_frame(_rid(), 0, 16, chunk, torch.bfloat16)
+    base = kv.data_ptr()
+    assert len(rows) == 4 * 2 * 2
+    assert all(base <= _address(row) < base + kv.nbytes for row in rows)
+    header = kv_wire.unpack_header(header_bytes)
+    assert torch.equal(kv_wire.payload_to_tensor(header, b"".join(rows)), chunk.contiguous())
+    assert header.crc32 == kv_wire.checksum([chunk.contiguous().view(torch.uint8).numpy().tobytes()])
+
+
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data
