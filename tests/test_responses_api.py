@@ -418,9 +418,13 @@ async def test_a_response_is_kept_until_deleted_unless_store_is_false(stack, ses
     not_kept = await client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False)
     for response_id in (kept.id, not_kept.id):
         async with session.get(f"{stack.api_url}/v1/responses/{response_id}") as resp:
-            assert resp.status == 400 and (await resp.json())["error"]["param"] == "response_id"
-    with pytest.raises(openai.BadRequestError, match="no response with id"):
+            error = (await resp.json())["error"]
+            assert (resp.status, error["param"], error["code"]) == (404, "response_id", "response_not_found")
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.delete(kept.id)
+    with pytest.raises(openai.BadRequestError, match="no response with id") as refused:
         await client.responses.create(model=MODEL, input="hi", previous_response_id=kept.id)
+    assert refused.value.code == "previous_response_not_found"  # what clients and proxies match to resend
 
 
 # ---- openai-agents, unmodified, on the default Responses model ----

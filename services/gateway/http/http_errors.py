@@ -10,7 +10,7 @@ from aiohttp import web
 
 from services.gateway.http.admission import ClientLeft, Overloaded, Unauthorized
 from services.gateway.http.body_reading import BodyTimeout, answer_and_close
-from services.gateway.http.request_parsing import ModelNotFound, PayloadTooLarge
+from services.gateway.http.request_parsing import NotFound, PayloadTooLarge
 from shared.errors import BadRequest, DeadlineExceeded, PddError, PeerGone
 
 log = logging.getLogger(__name__)
@@ -20,7 +20,7 @@ Json = dict[str, object]
 
 def error_payload(exc: BaseException) -> tuple[int, Json]:
     """HTTP status and OpenAI-style error body for an exception (also sent as an SSE event mid-stream)."""
-    if isinstance(exc, ModelNotFound):
+    if isinstance(exc, NotFound):
         status = 404
     elif isinstance(exc, Unauthorized):
         status = 401

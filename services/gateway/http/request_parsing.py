@@ -77,7 +77,11 @@ KNOWN_FIELDS = {
 }
 
 
-class ModelNotFound(InvalidParam):
+class NotFound(InvalidParam):
+    """What the request names does not exist here: HTTP 404."""
+
+
+class ModelNotFound(NotFound):
     code = "model_not_found"
 
 

@@ -23,7 +23,7 @@ from services.gateway.http.answers import json_response
 from services.gateway.http.body_reading import read_body
 from services.gateway.http.client_watch import client_gone
 from services.gateway.http.http_errors import error_payload
-from services.gateway.http.request_parsing import ParsedRequest, decode_json_body, parse_chat_request
+from services.gateway.http.request_parsing import NotFound, ParsedRequest, decode_json_body, parse_chat_request
 from services.gateway.http.responses_items import ResponsesRequest, to_chat_request
 from services.gateway.http.responses_store import ResponseStore
 from services.gateway.http.responses_stream import ResponseOutput, as_input_items, responses_usage
@@ -52,8 +52,15 @@ class ChatServing(Protocol):
                     answer: AnswerWriter | None = None) -> web.StreamResponse: ...
 
 
-class ResponseNotFound(InvalidParam):
+class ResponseNotFound(NotFound):
+    """GET or DELETE of an id this gateway does not hold: 404, as OpenAI answers."""
     code = "response_not_found"
+
+
+class PreviousResponseNotFound(InvalidParam):
+    """previous_response_id names an id this gateway does not hold: 400 with OpenAI's code, which clients
+    and proxies match to resend the whole conversation instead."""
+    code = "previous_response_not_found"
 
 
 class ResponsesAPI:
@@ -107,13 +114,15 @@ class ResponsesAPI:
             raise InvalidParam("previous_response_id", "previous_response_id must be a string")
         stored = self.store.get(previous_id)
         if stored is None:
-            raise self._not_found(previous_id, "previous_response_id")
+            raise PreviousResponseNotFound("previous_response_id", self._not_held(previous_id))
         return stored.items
 
     def _not_found(self, response_id: str, param: str) -> ResponseNotFound:
-        return ResponseNotFound(param, f"no response with id {response_id!r}: this gateway keeps the responses it "
-                                       f"answered with store not false, the most recent {len(self.store)} of them, "
-                                       "in memory (a restart forgets them)")
+        return ResponseNotFound(param, self._not_held(response_id))
+
+    def _not_held(self, response_id: str) -> str:
+        return (f"no response with id {response_id!r}: this gateway keeps the responses it answered with store "
+                f"not false, the most recent {len(self.store)} of them, in memory (a restart forgets them)")
 
 
 class ResponseAnswer:
