@@ -7,6 +7,15 @@ number of parallel connections it reports the transfer time (first chunk queued 
 received) against the line's arithmetic, and the throughput achieved. It also runs
 scripts/bench_wan.py's unlimited cases for the emulator's own ceiling.
 
+`--vs-raw`: pdd against the machine's own TCP over loopback, each side its own process, no
+emulator: pdd's `KVSender` and `KVReceiver` (their defaults, chunks of 256 tokens through P's
+4-chunk queue) against two plain processes moving the same bytes with 16 MiB `sendall`/`recv_into`
+between pre-touched buffers, and iperf3 where it is installed; KV in SmolLM2's layout (float32,
+2,000 tokens) and a 70B-like one (80 layers, 8 KV heads, head dim 128, bfloat16, 2,048 and 8,192
+tokens), over 1 and 4 connections, pdd and raw alternated; GB/s, pdd/raw, and each side's CPU
+seconds per GB (getrusage in each child, over the transfers only). Every pdd transfer's KV is
+compared with what was sent (a CRC32C of the whole tensor on both sides).
+
 `--ttft`: a real two-datacenter stack (`LocalStack`, topology two-dc) with SmolLM2 behind a
 100 Mbit/s, 15 ms one-way link; time to first token of P-MD and P-RLD-MD for 2,000-token prompts
 that no cache holds. Both print markdown tables; `--out FILE` also writes JSON.
@@ -17,11 +26,17 @@ import argparse
 import asyncio
 import json
 import logging
+import multiprocessing
 import os
 import random
+import resource
+import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -33,6 +48,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from shared import kv_wire
 from shared.kv_receiver import KVReceiver
 from shared.kv_sender import KVSender, OutgoingTransfer
 from shared.kv_transfer_state import TransferState
@@ -161,6 +177,313 @@ def emulator_ceiling(duration_s: float) -> tuple[str, list[dict[str, object]]]:
     return bench_wan.markdown(results), [asdict(r) for r in results]
 
 
+# --- pdd against raw TCP over loopback, separate processes ---------------------------------------
+
+LAYOUT_70B = KVLayout("bench-70b-like-layout", num_layers=80, kv_heads=8, head_dim=128)
+RAW_BUFFER_BYTES = 16 * 1024 * 1024
+CHILD_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class WireCase:
+    name: str
+    layout: KVLayout
+    dtype: str  # kv_wire.DTYPE_NAMES key
+    tokens: int
+    connections: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.layout.bytes_per_token_fp32 // 4 * kv_wire.DTYPE_NAMES[self.dtype].itemsize * self.tokens
+
+
+def wire_cases(connections: tuple[int, ...]) -> list[WireCase]:
+    shapes = [("SmolLM2 fp32, 2,000 tokens", SMOLLM2_LAYOUT, "float32", 2000),
+              ("70B-like bf16, 2,048 tokens", LAYOUT_70B, "bfloat16", 2048),
+              ("70B-like bf16, 8,192 tokens", LAYOUT_70B, "bfloat16", 8192)]
+    return [WireCase(name, layout, dtype, tokens, n) for name, layout, dtype, tokens in shapes for n in connections]
+
+
+@dataclass(frozen=True)
+class WireRun:
+    seconds: float  # the sender's start to the receiver's last byte (CLOCK_MONOTONIC is machine-wide)
+    send_cpu_s: float
+    recv_cpu_s: float
+
+
+@dataclass(frozen=True)
+class WireResult:
+    case: str
+    connections: int
+    kv_bytes: int
+    pdd_gb_s: float  # medians
+    raw_gb_s: float
+    pdd_send_cpu_s_per_gb: float
+    pdd_recv_cpu_s_per_gb: float
+    raw_send_cpu_s_per_gb: float
+    raw_recv_cpu_s_per_gb: float
+    pdd_runs: list[WireRun]
+    raw_runs: list[WireRun]
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
+    return usage.ru_utime + usage.ru_stime
+
+
+def _layout_of(case: WireCase) -> tuple[KVLayout, torch.dtype]:
+    return case.layout, kv_wire.DTYPE_NAMES[case.dtype]
+
+
+def _pdd_receiver_child(pipe: multiprocessing.connection.Connection) -> None:
+    """Serves commands: ("listen", case) -> port; ("expect", rid, tokens) -> "ready", then (done_at, cpu_s, crc)."""
+
+    async def serve() -> None:
+        receiver: KVReceiver | None = None
+        while (command := await asyncio.to_thread(pipe.recv))[0] != "stop":
+            if command[0] == "listen":
+                if receiver is not None:
+                    await receiver.stop()
+                layout, dtype = _layout_of(command[1])
+                receiver = KVReceiver(layout, dtype)
+                pipe.send(await receiver.start("127.0.0.1", 0))
+                continue
+            assert receiver is not None
+            _, rid, tokens = command
+            inbox = receiver.expect(rid, 0, tokens)
+            cpu0 = _cpu_s()
+            pipe.send("ready")
+            kv = await inbox.wait(CHILD_TIMEOUT_S)
+            cpu_s = _cpu_s() - cpu0
+            assert inbox.done_at is not None
+            crc = kv_wire.checksum(kv_wire.payload_rows(kv) or [])  # outside the measured time
+            receiver.release(rid)
+            pipe.send((inbox.done_at, cpu_s, crc))
+        if receiver is not None:
+            await receiver.stop()
+
+    asyncio.run(serve())
+
+
+def _pdd_sender_child(pipe: multiprocessing.connection.Connection) -> None:
+    """Serves ("source", case) -> crc of fresh random KV; ("send", rid, port, connections) -> (t0, cpu_s, bytes)."""
+
+    async def serve() -> None:
+        kv = torch.empty(0)
+        layout, dtype = SMOLLM2_LAYOUT, torch.float32
+        senders: dict[tuple[int, int], KVSender] = {}
+        while (command := await asyncio.to_thread(pipe.recv))[0] != "stop":
+            if command[0] == "source":
+                layout, dtype = _layout_of(command[1])
+                kv = torch.randn(layout.num_layers, 2, layout.kv_heads, command[1].tokens, layout.head_dim,
+                                 dtype=dtype)  # P's KV: its pages are P's already
+                pipe.send(kv_wire.checksum(kv_wire.payload_rows(kv) or []))
+                continue
+            _, rid, port, connections = command
+            if (port, connections) not in senders:
+                senders[(port, connections)] = KVSender(layout, dtype, connect_timeout_s=10.0,
+                                                        connections_per_peer=connections, stall_timeout_s=30.0)
+            sender = senders[(port, connections)]
+            await sender.connections("127.0.0.1", port)  # P keeps its pool: connections are warm
+            cpu0, t0 = _cpu_s(), time.monotonic()
+            transfer = OutgoingTransfer(sender, KVTarget("main", "127.0.0.1", port), rid, QUEUE_CHUNKS,
+                                        CHILD_TIMEOUT_S)
+            for start in range(0, kv.shape[3], CHUNK_TOKENS):
+                await transfer.put(start, kv[:, :, :, start:start + CHUNK_TOKENS])
+            result = await transfer.finish()
+            if result.state is not TransferState.DONE:
+                raise RuntimeError(f"pdd transfer failed: {result.error}")
+            pipe.send((t0, _cpu_s() - cpu0, result.kv_bytes))
+        for sender in senders.values():
+            await sender.close()
+
+    asyncio.run(serve())
+
+
+def _raw_receiver_child(pipe: multiprocessing.connection.Connection) -> None:
+    """Serves ("recv", nbytes, connections): accepts that many connections, recv_into a pre-touched
+    16 MiB buffer each until the bytes are in; answers (done_at, cpu_s)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    pipe.send(listener.getsockname()[1])
+    while (command := pipe.recv())[0] != "stop":
+        _, nbytes, connections = command
+        pipe.send("ready")
+        socks = [listener.accept()[0] for _ in range(connections)]
+        cpu0 = _cpu_s()
+
+        def take(sock: socket.socket, share: int) -> None:
+            view = memoryview(bytearray(b"\1" * RAW_BUFFER_BYTES))
+            while share > 0:
+                got = sock.recv_into(view, min(share, RAW_BUFFER_BYTES))
+                if not got:
+                    raise ConnectionError("raw sender closed early")
+                share -= got
+
+        threads = [threading.Thread(target=take, args=(sock, share)) for sock, share in
+                   zip(socks, _shares(nbytes, connections), strict=True)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        done_at, cpu_s = time.monotonic(), _cpu_s() - cpu0
+        for sock in socks:
+            sock.close()
+        pipe.send((done_at, cpu_s))
+    listener.close()
+
+
+def _raw_sender_child(pipe: multiprocessing.connection.Connection) -> None:
+    """Serves ("send", port, nbytes, connections): sendall from a pre-touched 16 MiB buffer per connection."""
+    buffer = memoryview(bytearray(b"\1" * RAW_BUFFER_BYTES))
+    while (command := pipe.recv())[0] != "stop":
+        _, port, nbytes, connections = command
+        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(connections)]
+
+        def give(sock: socket.socket, share: int) -> None:
+            while share > 0:
+                sock.sendall(buffer[:min(share, RAW_BUFFER_BYTES)])
+                share -= min(share, RAW_BUFFER_BYTES)
+
+        cpu0, t0 = _cpu_s(), time.monotonic()
+        threads = [threading.Thread(target=give, args=(sock, share)) for sock, share in
+                   zip(socks, _shares(nbytes, connections), strict=True)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        cpu_s = _cpu_s() - cpu0
+        for sock in socks:
+            sock.close()
+        pipe.send((t0, cpu_s))
+
+
+def _shares(nbytes: int, parts: int) -> list[int]:
+    return [nbytes // parts + (1 if i < nbytes % parts else 0) for i in range(parts)]
+
+
+class _Child:
+    """A child process and its end of a pipe."""
+
+    def __init__(self, target: object) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.pipe, theirs = context.Pipe()
+        self.process = context.Process(target=target, args=(theirs,), daemon=True)
+        self.process.start()
+
+    def ask(self, *command: object) -> object:
+        self.pipe.send(command)
+        return self.answer()
+
+    def answer(self) -> object:
+        if not self.pipe.poll(CHILD_TIMEOUT_S):
+            raise TimeoutError(f"{self.process.name} did not answer within {CHILD_TIMEOUT_S:g}s")
+        return self.pipe.recv()
+
+    def stop(self) -> None:
+        self.pipe.send(("stop",))
+        self.process.join(30)
+
+
+def _pdd_once(case: WireCase, receiver: _Child, sender: _Child, port: int, source_crc: int) -> WireRun:
+    rid = "req-" + uuid.uuid4().hex
+    if receiver.ask("expect", rid, case.tokens) != "ready":
+        raise RuntimeError("pdd receiver did not get ready")
+    t0, send_cpu_s, _ = sender.ask("send", rid, port, case.connections)  # type: ignore[misc]
+    done_at, recv_cpu_s, crc = receiver.answer()  # type: ignore[misc]
+    if crc != source_crc:
+        raise RuntimeError(f"{case.name}: the KV received differs from the KV sent")
+    return WireRun(done_at - t0, send_cpu_s, recv_cpu_s)
+
+
+def _raw_once(case: WireCase, receiver: _Child, sender: _Child, port: int) -> WireRun:
+    receiver.pipe.send(("recv", case.kv_bytes, case.connections))
+    if receiver.answer() != "ready":
+        raise RuntimeError("raw receiver did not get ready")
+    t0, send_cpu_s = sender.ask("send", port, case.kv_bytes, case.connections)  # type: ignore[misc]
+    done_at, recv_cpu_s = receiver.answer()  # type: ignore[misc]
+    return WireRun(done_at - t0, send_cpu_s, recv_cpu_s)
+
+
+def run_vs_raw(cases: list[WireCase], repeats: int) -> list[WireResult]:
+    pdd_receiver, pdd_sender = _Child(_pdd_receiver_child), _Child(_pdd_sender_child)
+    raw_receiver, raw_sender = _Child(_raw_receiver_child), _Child(_raw_sender_child)
+    results = []
+    try:
+        raw_port = int(raw_receiver.answer())  # type: ignore[call-overload]
+        shape = None
+        for case in cases:
+            if shape != (case.layout, case.dtype, case.tokens):
+                shape = (case.layout, case.dtype, case.tokens)
+                port = int(pdd_receiver.ask("listen", case))  # type: ignore[call-overload]
+                source_crc = int(pdd_sender.ask("source", case))  # type: ignore[call-overload]
+            pdd_runs: list[WireRun] = []
+            raw_runs: list[WireRun] = []
+            _pdd_once(case, pdd_receiver, pdd_sender, port, source_crc)  # warm-up: pages, pool, code paths
+            _raw_once(case, raw_receiver, raw_sender, raw_port)
+            for repeat in range(repeats):  # alternated, so load that comes and goes hits both
+                if repeat % 2:
+                    raw_runs.append(_raw_once(case, raw_receiver, raw_sender, raw_port))
+                    pdd_runs.append(_pdd_once(case, pdd_receiver, pdd_sender, port, source_crc))
+                else:
+                    pdd_runs.append(_pdd_once(case, pdd_receiver, pdd_sender, port, source_crc))
+                    raw_runs.append(_raw_once(case, raw_receiver, raw_sender, raw_port))
+            result = _summarise(case, pdd_runs, raw_runs)
+            results.append(result)
+            print(f"  {case.name}, {case.connections} conn: pdd {result.pdd_gb_s:.2f} GB/s, raw "
+                  f"{result.raw_gb_s:.2f} GB/s", file=sys.stderr, flush=True)
+    finally:
+        for child in (pdd_receiver, pdd_sender, raw_receiver, raw_sender):
+            child.stop()
+    return results
+
+
+def _summarise(case: WireCase, pdd: list[WireRun], raw: list[WireRun]) -> WireResult:
+    gb = case.kv_bytes / 1e9
+
+    def median(runs: list[WireRun], field: str) -> float:
+        return statistics.median(getattr(run, field) for run in runs)
+
+    return WireResult(case.name, case.connections, case.kv_bytes, gb / median(pdd, "seconds"),
+                      gb / median(raw, "seconds"), median(pdd, "send_cpu_s") / gb, median(pdd, "recv_cpu_s") / gb,
+                      median(raw, "send_cpu_s") / gb, median(raw, "recv_cpu_s") / gb, pdd, raw)
+
+
+def iperf3_gb_s(connections: int, seconds: float) -> float | None:
+    """iperf3's own loopback rate with that many streams (None: iperf3 is not installed)."""
+    if shutil.which("iperf3") is None:
+        return None
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(["iperf3", "-s", "-1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(50):
+            client = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", str(seconds),
+                                     "-P", str(connections), "-J"], capture_output=True, text=True)
+            report = json.loads(client.stdout or "{}")
+            if client.returncode == 0 and "sum_received" in report.get("end", {}):
+                return report["end"]["sum_received"]["bits_per_second"] / 8 / 1e9
+            time.sleep(0.1)  # the server is not listening yet
+        raise RuntimeError(f"iperf3 failed: {client.stderr.strip() or client.stdout[-300:]}")
+    finally:
+        server.kill()
+        server.wait()
+
+
+def vs_raw_table(results: list[WireResult], iperf: dict[int, float | None]) -> str:
+    lines = ["| case | conns | KV bytes | pdd GB/s | raw TCP GB/s | pdd / raw | iperf3 GB/s "
+             "| pdd CPU s/GB send / recv | raw CPU s/GB send / recv |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        rate = iperf.get(r.connections)
+        lines.append(f"| {r.case} | {r.connections} | {r.kv_bytes / 1e6:,.0f} MB | {r.pdd_gb_s:.2f} | "
+                     f"{r.raw_gb_s:.2f} | {r.pdd_gb_s / r.raw_gb_s:.0%} | "
+                     f"{f'{rate:.2f}' if rate is not None else 'not installed'} | "
+                     f"{r.pdd_send_cpu_s_per_gb:.2f} / {r.pdd_recv_cpu_s_per_gb:.2f} | "
+                     f"{r.raw_send_cpu_s_per_gb:.2f} / {r.raw_recv_cpu_s_per_gb:.2f} |")
+    return "\n".join(lines)
+
+
 # --- TTFT on a real two-datacenter stack --------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -253,12 +576,16 @@ def machine() -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Benchmark pdd's KV transfer over the emulated WAN, or TTFT per pipeline")
     p.add_argument("--ttft", action="store_true", help="measure TTFT of P-MD vs P-RLD-MD on a two-dc stack instead")
+    p.add_argument("--vs-raw", action="store_true",
+                   help="pdd against raw TCP and iperf3 over loopback, separate processes, no emulator")
     p.add_argument("--out", default="", help="also write the results as JSON to this file")
     transfer = p.add_argument_group("transfer mode")
     transfer.add_argument("--connections", default="1,2,4,8", help="parallel connections to try, comma-separated")
     transfer.add_argument("--target-s", type=float, default=1.5,
                           help="tokens per case are chosen for about this much line time (at most 2,000)")
-    transfer.add_argument("--repeats", type=int, default=2, help="transfers per case (the median is reported)")
+    transfer.add_argument("--repeats", type=int, default=None,
+                          help="transfers per case (the median is reported; --vs-raw: 3 unless given)")
+    transfer.add_argument("--iperf-s", type=float, default=3.0, help="--vs-raw: seconds per iperf3 run")
     transfer.add_argument("--ceiling-s", type=float, default=2.0,
                           help="seconds per bench_wan.py unlimited case; 0 skips them")
     ttft = p.add_argument_group("--ttft mode")
@@ -291,8 +618,20 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.out).write_text(json.dumps([asdict(r) for r in runs], indent=2))
         return 0
 
+    if args.vs_raw:
+        connections = tuple(int(n) for n in (args.connections if args.connections != "1,2,4,8" else "1,4").split(","))
+        iperf = {n: iperf3_gb_s(n, args.iperf_s) for n in connections}
+        wire_results = run_vs_raw(wire_cases(connections), args.repeats or 3)
+        print(f"pdd's KVSender/KVReceiver against raw TCP, loopback, separate processes; medians of "
+              f"{args.repeats or 3}, alternated, after a warm-up of each; {before}; after: {machine()}\n")
+        print(vs_raw_table(wire_results, iperf))
+        if args.out:
+            Path(args.out).write_text(json.dumps({"vs_raw": [asdict(r) for r in wire_results],
+                                                  "iperf3_gb_s": iperf}, indent=2))
+        return 0
+
     connections = tuple(int(n) for n in args.connections.split(","))
-    results = asyncio.run(run_transfer_cases(default_cases(connections), args.target_s, args.repeats))
+    results = asyncio.run(run_transfer_cases(default_cases(connections), args.target_s, args.repeats or 2))
     print("KV transfer through the in-process WAN emulator (SmolLM2 layout, float32, 46,080 B/token; "
           f"{before}; after: {machine()})\n")
     print(transfer_table(results))
