@@ -124,7 +124,7 @@ class BatchEngine:
                 "engine_steps": steps, "mean_batch": round(self.rows / steps, 2) if steps else 0.0,
                 "kv_frees": self.frees, "kv_grows": self.grows, "preemptions": self.preemptions,
                 "forward_s": round(self.forward_s, 3), "holds": self.holds, "holds_met": self.holds_met,
-                "announced": self.announced, "announced_late": self.announced_late}
+                "announced": self.announced, "announced_late": self.announced_late, **self.runner.stats()}
 
     async def open(self, key: str, parts: Sequence[torch.Tensor], kv_tokens: int,
                    seq: DecodeSequence | None = None, pending_tokens: int = 0,

@@ -193,6 +193,11 @@ class ModelConfig:
                                          "first start; fails if it cannot be), 'sdpa' (torch's), or 'auto' (the "
                                          "kernel for a half-precision model if it builds, else sdpa)",
                                  choices=("auto", "kernel", "sdpa"))
+    engine: str = flag("real", "'real' (the model's forward) or 'sim' (no model: each step sleeps its modelled "
+                               "time and makes deterministic tokens; docs/sim.md)", choices=("real", "sim"))
+    sim_device: str = flag("h100", "--engine sim: the device whose roofline times each step (h100, h800, h20)")
+    sim_profile: str = flag("", "--engine sim: a measured step-time profile (a path, or a name in "
+                                "shared/sim_profiles/) instead of --sim-device's roofline")
 
 
 @dataclass(frozen=True)

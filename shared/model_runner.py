@@ -317,6 +317,10 @@ class ModelRunner:
         log.info("%s on %s: one-token attention by %s, KV kept in %s, %d linears packed", self.dtype, self.device,
                  "pdd's CPU kernel" if self.decode_attention else "torch's SDPA", self.kv_dtype, self.packed_linears)
 
+    def stats(self) -> dict[str, int | float]:
+        """What the runner adds to the engine's heartbeat stats (the simulated one: its modelled time)."""
+        return {}
+
     def new_kv(self, capacity: int, parts: Sequence[torch.Tensor] = ()) -> SequenceKV:
         """Room for `capacity` positions, starting with parts [layers, 2, kv_heads, tokens, head_dim] in order."""
         data = torch.empty((self.num_layers, 2, self.kv_heads, capacity, self.head_dim), dtype=self.kv_dtype,

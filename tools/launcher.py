@@ -263,6 +263,8 @@ class LocalStack:
                 "--log-level", c.log_level, "--model", str(self.model_path)]
         if role in MODEL_ROLES:
             argv += ["--dtype", c.dtype, "--device", c.device, "--torch-threads", str(c.torch_threads)]
+            if c.engine != "real":  # the real engine's argv stays as it was
+                argv += ["--engine", c.engine, "--sim-device", c.sim_device, "--sim-profile", c.sim_profile]
         if role == "prefill":
             argv += ["--chunk-tokens", str(c.chunk_tokens)]
         if role == "main" and c.two_dc:  # P dials the emulator's route, which dials MD's own port

@@ -54,6 +54,9 @@ class StackConfig:
     model: str = default_of(ModelConfig, "model")
     dtype: str = default_of(ModelConfig, "dtype")
     device: str = default_of(ModelConfig, "device")
+    engine: str = default_of(ModelConfig, "engine")  # "sim": P, RLD and MD model their steps (docs/sim.md)
+    sim_device: str = default_of(ModelConfig, "sim_device")
+    sim_profile: str = default_of(ModelConfig, "sim_profile")
     nats_url: str | None = None  # None: start our own nats-server on a free loopback port
     host: str = default_of(GatewayConfig, "host")
     port: int = default_of(GatewayConfig, "port")  # 0: pick a free port
@@ -99,6 +102,10 @@ class StackConfig:
         parser.add_argument("--model", default=d.model, help=flag_help(ModelConfig, "model"))
         parser.add_argument("--dtype", default=d.dtype, choices=choices(DType))
         parser.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:N")
+        parser.add_argument("--engine", default=d.engine, choices=("real", "sim"),
+                            help=flag_help(ModelConfig, "engine"))
+        parser.add_argument("--sim-device", default=d.sim_device, help=flag_help(ModelConfig, "sim_device"))
+        parser.add_argument("--sim-profile", default=d.sim_profile, help=flag_help(ModelConfig, "sim_profile"))
         parser.add_argument("--host", default=d.host, help="address the gateway binds")
         parser.add_argument("--port", type=int, default=d.port, help="gateway port; 0 picks a free one")
         parser.add_argument("--pipeline", default=d.pipeline, choices=choices(Pipeline.requestable(), AUTO),
@@ -146,7 +153,8 @@ class StackConfig:
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> StackConfig:
         return cls(
-            model=ns.model, dtype=ns.dtype, device=ns.device, nats_url=ns.nats_url, host=ns.host,
+            model=ns.model, dtype=ns.dtype, device=ns.device, engine=ns.engine, sim_device=ns.sim_device,
+            sim_profile=ns.sim_profile, nats_url=ns.nats_url, host=ns.host,
             port=ns.port, pipeline=ns.pipeline, log_dir=ns.log_dir, log_level=ns.log_level,
             torch_threads=ns.torch_threads, chunk_tokens=ns.chunk_tokens,
             startup_timeout_s=ns.startup_timeout_s, topology=ns.topology,

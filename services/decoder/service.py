@@ -38,8 +38,9 @@ from shared.messages import (
 from shared.metrics import decoder_metrics
 from shared.metrics import serve as serve_metrics
 from shared.model_runner import DecodeSequence, ModelRunner
-from shared.models import kv_layout, load_model, load_tokenizer, resolve_model
+from shared.models import kv_layout, load_tokenizer, resolve_model
 from shared.service_runtime import ServiceFailure, heartbeat_loop, now
+from shared.sim_runner import build_runner
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def grammar_compiler(path: Path, runner: ModelRunner) -> GrammarCompiler:
     """The model's vocabulary for constrained decoding (about 0.5 s, once): its EOS ends a finished grammar."""
     tokenizer = load_tokenizer(path)
     eos = () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
-    return GrammarCompiler.from_hf(tokenizer, runner.model.config.vocab_size, eos)
+    return GrammarCompiler.from_hf(tokenizer, runner.config.vocab_size, eos)
 
 
 class DecoderService:
@@ -59,8 +60,7 @@ class DecoderService:
         self.instance_id = config.common.instance_id
         path = resolve_model(config.model.model)
         self.layout = kv_layout(path)
-        self.runner = ModelRunner(load_model(path, config.model.dtype, config.model.device),
-                                  config.model.decode_attention)
+        self.runner = build_runner(config.model, path)
         self.engine = BatchEngine(self.runner, config.engine, self.name, grammar_compiler(path, self.runner))
         self.failure = ServiceFailure()  # run_service stops the decoder, exit status 1, if the engine thread dies
         self.engine.on_death = lambda exc: self.failure.fail(f"the engine thread died: {exc!r}")

@@ -39,11 +39,11 @@ from shared.messages import (
 )
 from shared.metrics import PrefillMetrics
 from shared.metrics import serve as serve_metrics
-from shared.model_runner import ModelRunner
-from shared.models import kv_layout, load_model, resolve_model
+from shared.models import kv_layout, resolve_model
 from shared.names import AbortReason, Role
 from shared.radix_cache import INDEX_BLOCK_TOKENS, CacheEvent, RadixCache
 from shared.service_runtime import ServiceFailure, heartbeat_loop, now
+from shared.sim_runner import build_runner
 
 log = logging.getLogger(__name__)
 ROLE = Role.PREFILL
@@ -56,8 +56,7 @@ class PrefillService:
         self.instance_id = config.common.instance_id
         path = resolve_model(config.model.model)
         self.layout = kv_layout(path)
-        self.runner = ModelRunner(load_model(path, config.model.dtype, config.model.device),
-                                  config.model.decode_attention, row_invariant=False)
+        self.runner = build_runner(config.model, path, row_invariant=False)
         self.engine = BatchEngine(self.runner, config.engine, ROLE)  # chunks of many prompts share forwards
         self.failure = ServiceFailure()  # run_service stops P, exit status 1, if the engine thread dies
         self.engine.on_death = lambda exc: self.failure.fail(f"the engine thread died: {exc!r}")
@@ -119,7 +118,7 @@ class PrefillService:
                  "backfill_wan_bytes": self.backfill_wan_bytes,
                  "backfills_started": self.backfills_started,
                  **{f"backfills_{outcome}": n for outcome, n in self.backfills.items()},
-                 **(self.cache.gauges() if self.cache is not None else {})}
+                 **(self.cache.gauges() if self.cache is not None else {}), **self.runner.stats()}
         return Heartbeat(ROLE, self.instance_id, "", 0, self.layout.model_id, len(self.jobs), 0, now(),
                          dict(self.sender.throughput.bytes_per_s), stats,
                          chunk_tokens=self.config.chunk_tokens, kv_bytes_per_token=self.kv_bytes_per_token)

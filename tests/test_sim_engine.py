@@ -1,0 +1,201 @@
+"""The simulated engine (`--engine sim`): its step times follow the roofline, its tokens are a function
+of the context alone (batched or not, recomputed or received as KV), each step sleeps its modelled
+time, and a real stack on it hands off token-exact through P-MD and P-RLD-MD."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from contextlib import contextmanager
+
+import jsonschema
+import pytest
+import torch
+
+from shared.batch_engine import BatchEngine
+from shared.config import EngineConfig
+from shared.model_runner import DecodeSequence
+from shared.sampling import SamplingParams
+from shared.sim_runner import SimRunner, next_token
+from shared.step_timing import (
+    DEVICES,
+    ModelShape,
+    ProfiledTiming,
+    Roofline,
+    StepRow,
+    fit_profile,
+    timing_for,
+)
+from tools.api_client import stream_completion
+
+from helpers import complete, fresh_heartbeats, random_prompt
+
+STACK = {"engine": "sim", "sim_device": "h20"}
+SMOLLM2_7B_LIKE = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+                   "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256}  # Llama-3-8B's shape
+
+
+def roofline(device: str = "h100") -> Roofline:
+    return Roofline(ModelShape.from_config(SMOLLM2_7B_LIKE), DEVICES[device])
+
+
+def test_decode_is_memory_bound_and_prefill_compute_bound_as_the_roofline_says():
+    model = roofline()
+    shape, device = model.model, model.device
+    weights_s = (shape.body_params + shape.head_params) * 2 / (device.memory_bytes_per_s * device.memory_efficiency)
+    one = model.step_s([StepRow(0, 1)]) - device.step_overhead_s
+    assert one == pytest.approx(weights_s, rel=0.01), "one short decode row: the weights' read"
+    eight = model.step_s([StepRow(0, 1)] * 8) - device.step_overhead_s
+    assert eight < 1.05 * one, "decode rows share the weights' read"
+    long_context = model.step_s([StepRow(32768, 1)] * 8) - device.step_overhead_s
+    kv_s = 8 * 32769 * shape.kv_bytes_per_token / (device.memory_bytes_per_s * device.memory_efficiency)
+    assert long_context == pytest.approx(weights_s + kv_s, rel=0.02), "each row's KV is read once"
+    prefill = model.step_s([StepRow(0, 8192)]) - device.step_overhead_s
+    double = model.step_s([StepRow(0, 16384)]) - device.step_overhead_s
+    assert prefill > 10 * weights_s, "a long prefill is compute bound"
+    assert 2.0 < double / prefill < 2.6, "linear in tokens, plus attention's quadratic part"
+    h20 = roofline("h20").step_s([StepRow(0, 8192)]) - device.step_overhead_s
+    assert h20 / prefill == pytest.approx(989 / 148, rel=0.01), "compute bound: the ratio of peak FLOPs"
+    h20_decode = roofline("h20").step_s([StepRow(4096, 1)] * 16) - device.step_overhead_s
+    h100_decode = model.step_s([StepRow(4096, 1)] * 16) - device.step_overhead_s
+    assert h100_decode / h20_decode == pytest.approx(4.0 / 3.35, rel=0.01), "memory bound: the ratio of bandwidth"
+
+
+def test_a_profile_fit_recovers_its_coefficients_and_round_trips(tmp_path):
+    truth = (0.004, 0.0002, 0.00003, 1e-8)
+    samples = []
+    for rows in ([StepRow(100, 1)] * 4, [StepRow(500, 1)] * 16, [StepRow(0, 256)], [StepRow(0, 64), StepRow(40, 1)],
+                 [StepRow(1000, 1)] * 2, [StepRow(256, 128)]):
+        exact = ProfiledTiming("m", "d", truth).step_s(rows)
+        samples.append((rows, exact))
+    fitted = fit_profile("m", "d", samples)
+    assert fitted.coefficients == pytest.approx(truth, rel=1e-6)
+    fitted.save(tmp_path / "p.json")
+    loaded = timing_for({}, 2, "", str(tmp_path / "p.json"))
+    assert loaded.step_s([StepRow(300, 7)]) == pytest.approx(fitted.step_s([StepRow(300, 7)]))
+
+
+@pytest.fixture(scope="module")
+def sim(tiny_path) -> SimRunner:
+    timing = timing_for(json.loads((tiny_path / "config.json").read_text()), 4, "h20", "")
+    return SimRunner(tiny_path, "float32", "cpu", timing)
+
+
+@contextmanager
+def engine_with(runner: SimRunner, **config):
+    engine = BatchEngine(runner, EngineConfig(**config), name="sim-test")
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+def sequence(runner: SimRunner, key: str, prompt_ids: list[int], max_tokens: int) -> DecodeSequence:
+    return DecodeSequence(key, prompt_ids, SamplingParams(max_tokens=max_tokens), runner.max_context_tokens)
+
+
+async def decode(engine: BatchEngine, runner: SimRunner, key: str, prompt_ids: list[int], max_tokens: int,
+                 parts: list[torch.Tensor], eager_ids: list[int] = ()) -> list[int]:
+    seq = sequence(runner, key, prompt_ids, max_tokens)
+    await engine.open(key, parts, seq.kv_tokens_needed, seq)
+    try:
+        seq.output_ids.extend(eager_ids)
+        return await engine.decode(seq, [prompt_ids[-1], *eager_ids])
+    finally:
+        engine.release(key)
+
+
+def prompt_kv(runner: SimRunner, prompt_ids: list[int]) -> list[torch.Tensor]:
+    """What P sends: the KV of every prompt token but the last, made by a forward of its own."""
+    kv = runner.new_kv(len(prompt_ids) - 1)
+    runner.forward(kv, prompt_ids[:-1])
+    return [kv.slice(0, kv.length)]
+
+
+def reference(runner: SimRunner, prompt_ids: list[int], n: int) -> list[int]:
+    """The sim's tokens by its definition, one at a time."""
+    ids, out = list(prompt_ids), []
+    for _ in range(n):
+        out.append(next_token(ids, len(ids) - 1, runner.vocab, runner.avoid))
+        ids.append(out[-1])
+    return out
+
+
+async def test_sim_tokens_depend_on_the_context_only_batched_received_or_handed_off(sim):
+    prompts = [random_prompt(seed, n) for seed, n in ((1, 3), (2, 40), (3, 9), (4, 70))]
+    with engine_with(sim) as engine:
+        alone = [await decode(engine, sim, f"a{i}", p, 12, prompt_kv(sim, p)) for i, p in enumerate(prompts)]
+        batched = await asyncio.gather(*(decode(engine, sim, f"b{i}", p, 12, prompt_kv(sim, p))
+                                         for i, p in enumerate(prompts)))
+        assert max(engine.batch_sizes) >= 2
+        # P's KV of the prompt (all but its last token), made on another engine, sent in bfloat16 as MD receives it
+        with engine_with(sim) as prefill:
+            await prefill.open("p", [], len(prompts[3]) - 1)
+            kv = await prefill.submit("p", prompts[3][:-1], sample=False, return_kv=True)
+            prefill.release("p")
+        received = await decode(engine, sim, "md", prompts[3], 12, [kv.to(torch.bfloat16)])
+        # MD's extend of RLD's first 5 eager tokens
+        handed = await decode(engine, sim, "handoff", prompts[3], 12, [kv], alone[3][:5])
+    for prompt_ids, one, many in zip(prompts, alone, batched):
+        assert one == many == reference(sim, prompt_ids, 12)
+    assert received == alone[3]
+    assert handed == alone[3]  # the eager tokens, then MD's own
+    assert len({t for out in alone for t in out}) > 20, "tokens vary"
+    assert not sim.avoid & {t for out in alone for t in out}
+
+
+async def test_a_sim_step_sleeps_its_modelled_time(tiny_path):
+    # a slow device, so each step is long against the engine's own overhead
+    slow = dataclasses.replace(DEVICES["h20"], name="slow", step_overhead_s=0.02)
+    timing = Roofline(ModelShape.from_config(json.loads((tiny_path / "config.json").read_text()), 4), slow)
+    runner = SimRunner(tiny_path, "float32", "cpu", timing)
+    prompt_ids = random_prompt(5, 20)
+    parts = prompt_kv(runner, prompt_ids)
+    steps_before, modelled_before_s = runner.steps, runner.modelled_s
+    with engine_with(runner) as engine:
+        started = time.perf_counter()
+        await decode(engine, runner, "r", prompt_ids, 10, parts)
+        wall_s = time.perf_counter() - started
+        stats = engine.stats()
+    modelled_s = stats["sim_modelled_s"] - modelled_before_s
+    assert stats["sim_steps"] - steps_before == stats["engine_steps"] == 10
+    assert modelled_s == pytest.approx(sum(timing.step_s([StepRow(19 + i, 1)]) for i in range(10)), rel=1e-6)
+    assert modelled_s >= 0.2, "ten steps of at least the device's overhead each"
+    assert modelled_s <= stats["forward_s"] + 0.001 <= modelled_s + 0.1, "each forward lasted its modelled time"
+    assert modelled_s <= wall_s < modelled_s + 2.0
+
+
+async def test_a_sim_stack_hands_off_token_exact(stack, session, sim):
+    prompt_ids = random_prompt(11, 30)
+    md = await complete(session, stack, prompt_ids, 16, pipeline="p-md")
+    split = await complete(session, stack, prompt_ids, 16, pipeline="p-rld-md", handoff_at=6)
+    assert set(md.tiers) == {"main"}
+    main_kv = md.summary["kv"]["main"]  # the prompt's KV crossed P's socket to MD (or came from MD's DRC)
+    assert main_kv["cached_tokens"] + main_kv["kv_tokens"] == len(prompt_ids) - 1 and main_kv["kv_tokens"] > 0
+    assert split.tiers == ["relay"] * 6 + ["main"] * 10 and split.handoff["eager_tokens"] == 6
+    assert md.token_ids == split.token_ids == reference(sim, prompt_ids, 16)
+    beats = await fresh_heartbeats(stack.nats_url)
+    for role in ("prefill", "relay", "main"):
+        assert beats[role].stats["sim_steps"] > 0 and beats[role].stats["sim_modelled_s"] > 0
+
+
+COLOURS = {"type": "object", "properties": {"colours": {
+    "type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 8, "maxItems": 8}},
+    "required": ["colours"], "additionalProperties": False}
+
+
+async def test_a_schema_seeded_sampling_and_logprobs_work_on_the_sims_logits(stack, session):
+    def body(pipeline: str, **extra: object) -> dict:
+        return {"prompt": random_prompt(12, 20), "max_tokens": 80, "temperature": 0.9, "seed": 5, "logprobs": 2,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": COLOURS}},
+                "pdd": {"pipeline": pipeline, **extra}}
+
+    alone = await stream_completion(session, stack.api_url, body("p-md"))
+    split = await stream_completion(session, stack.api_url, body("p-rld-md", handoff_at=6))
+    assert split.token_ids == alone.token_ids and split.tiers[:6] == ["relay"] * 6
+    jsonschema.validate(json.loads(alone.text), COLOURS)
+    assert alone.finish_reason == "stop"
+    logprobs = [[value for chunk in result.logprobs for value in chunk["token_logprobs"]] for result in (alone, split)]
+    assert len(logprobs[0]) == len(alone.token_ids) and all(value <= 0 for value in logprobs[0])
+    assert logprobs[1] == pytest.approx(logprobs[0], abs=1e-4), "the same logits on RLD and MD"
