@@ -308,28 +308,53 @@ class OutgoingTransfer(TransferMachine):
 
     async def _stream(self, conns: list[KVConnection]) -> float | None:
         """Every queued chunk, as frames spread over `conns`, until the end mark; returns when the
-        first KV byte left (None: there was none). While the queue is empty, a KEEPALIVE goes down
+        first KV byte left (None: there was none). A chunk's frames start while the previous chunk's
+        last ones are still being written (two chunks in flight at most), so no connection idles at
+        a chunk's boundary. While the queue is empty and nothing is in flight, a KEEPALIVE goes down
         every connection: the decoder then counts none of them idle while this transfer is open."""
         first_byte_at: float | None = None
-        while True:
-            try:
-                async with asyncio.timeout(self.sender.keepalive_s):
-                    token_start, item, queued_at = await self._queue.get()
-            except TimeoutError:  # P's engine has not made the next chunk yet: say so
-                await asyncio.gather(*(self._write(conn, self._keepalive_frame) for conn in conns))
-                continue
-            if self.target.delay_s > 0:  # each chunk leaves delay_s after P made it, like a long link
-                await asyncio.sleep(max(0.0, queued_at + self.target.delay_s - time.monotonic()))
-            if token_start is _END:
-                return first_byte_at
-            await self._wait_for_release(conns)
-            if self.state is TransferState.WAITING:
-                self._move(TransferState.TRANSFERRING)
-                first_byte_at = time.monotonic()
-            if self.background_bytes_per_s:
-                await self._send_in_background(conns, token_start, item)
-                continue
-            await self._stripe(conns, token_start, item)
+        in_flight: asyncio.Task | None = None  # the previous chunk's frames, still being written
+        try:
+            while True:
+                if in_flight is not None and in_flight.done():
+                    done, in_flight = in_flight, None
+                    done.result()  # its failure is the transfer's
+                try:
+                    async with asyncio.timeout(self.sender.keepalive_s):
+                        token_start, item, queued_at = await self._queue.get()
+                except TimeoutError:  # P's engine has not made the next chunk yet: say so
+                    if in_flight is None:
+                        await asyncio.gather(*(self._write(conn, self._keepalive_frame) for conn in conns))
+                    continue
+                if self.target.delay_s > 0:  # each chunk leaves delay_s after P made it, like a long link
+                    await asyncio.sleep(max(0.0, queued_at + self.target.delay_s - time.monotonic()))
+                if token_start is _END or self.background_bytes_per_s:
+                    if in_flight is not None:
+                        done, in_flight = in_flight, None
+                        await done
+                if token_start is _END:
+                    return first_byte_at
+                await self._wait_for_release(conns)
+                if self.state is TransferState.WAITING:
+                    self._move(TransferState.TRANSFERRING)
+                    first_byte_at = time.monotonic()
+                if self.background_bytes_per_s:
+                    await self._send_in_background(conns, token_start, item)
+                    continue
+                chunk = asyncio.create_task(self._stripe(conns, token_start, item))
+                if in_flight is not None:
+                    done, in_flight = in_flight, None
+                    try:
+                        await done
+                    except BaseException:
+                        chunk.cancel()
+                        raise
+                in_flight = chunk
+        finally:
+            if in_flight is not None and not in_flight.done():
+                in_flight.cancel()
+            elif in_flight is not None and not in_flight.cancelled():
+                in_flight.exception()  # retrieved: the transfer already ends for another reason
 
     async def _stripe(self, conns: list[KVConnection], token_start: int, kv: torch.Tensor) -> None:
         """Write a chunk's frames over all connections: each takes the next frame as soon as it has

@@ -1,7 +1,7 @@
 """The KV path's fast path (issue 44): payloads land straight in the inbox's memory, which is reused
 once released; a corrupted payload is caught by its CRC32C; a released request's memory is never
-written after; frames stripe over connections by who is free; an abort mid-frame leaves the
-connection whole for the transfers that share it."""
+written after; frames stripe over connections by who is free, across chunks; an abort mid-frame
+leaves the connection whole for the transfers that share it."""
 from __future__ import annotations
 
 import asyncio
@@ -124,16 +124,18 @@ async def test_a_request_released_mid_frame_is_never_written_after(receiver: KVR
 
 
 async def test_frames_go_to_whichever_connection_is_free(receiver: KVReceiver) -> None:
+    """Within a chunk and across two: a connection held by other requests' frames holds back only
+    the frame it took, not the chunk after it."""
     sender = KVSender(LAYOUT, torch.float32, 2.0, connections_per_peer=4)
     conns = await sender.connections("127.0.0.1", receiver.port)
     rid = _rid()
-    tokens = 16384  # one layer of it is 4 MiB: the chunk goes as eight 2 MiB frames (a layer's half each)
-    inbox = receiver.expect(rid, 0, tokens)
-    kv = torch.randn(4, 2, 2, tokens, 16)
-    frame_bytes = kv.nbytes // 8
+    chunk = 16384  # one layer of it is 4 MiB: a chunk goes as eight 2 MiB frames (a layer's half each)
+    inbox = receiver.expect(rid, 0, 2 * chunk)
+    kv = torch.randn(4, 2, 2, 2 * chunk, 16)
+    frame_bytes = kv.nbytes // 16
     async with conns[0].lock:  # other requests' frames hold one connection
-        transfer = await _transfer(sender, receiver.port, rid, kv, chunk=tokens)
-        await _until(lambda: inbox.bytes_received == 7 * frame_bytes)  # all but the one that waits for it
+        transfer = await _transfer(sender, receiver.port, rid, kv, chunk=chunk)
+        await _until(lambda: inbox.bytes_received == 14 * frame_bytes)  # all but one frame of each chunk
     result = await transfer.finish()
     assert result.state is TransferState.DONE
     assert torch.equal(await inbox.wait(5), kv)
