@@ -130,26 +130,36 @@ class Roofline:
         return self.device.step_overhead_s + max(compute_s, memory_s)
 
 
-PROFILE_FEATURES = ("step", "rows", "tokens", "attended")
+PROFILE_FEATURES = ("step", "rows", "tokens", "attended_short", "attended_long")
 
 
-def profile_features(rows: Sequence[StepRow]) -> list[float]:
-    """What a measured step's time is fitted on: a constant, rows, new tokens, attended positions."""
-    attended = sum(r.new_tokens * r.past_tokens + r.new_tokens * (r.new_tokens + 1) // 2 for r in rows)
-    return [1.0, float(len(rows)), float(sum(r.new_tokens for r in rows)), float(attended)]
+def profile_features(rows: Sequence[StepRow], short_row_tokens: int) -> list[float]:
+    """What a measured step's time is fitted on: a constant, rows, new tokens, and the positions attended
+    by short rows (of up to short_row_tokens: attended a query token at a time, memory bound) and by long
+    ones (blocked, many queries per K and V read), which cost differently per position on our runner."""
+    short = long = 0
+    for r in rows:
+        attended = r.new_tokens * r.past_tokens + r.new_tokens * (r.new_tokens + 1) // 2
+        if r.new_tokens <= short_row_tokens:
+            short += attended
+        else:
+            long += attended
+    return [1.0, float(len(rows)), float(sum(r.new_tokens for r in rows)), float(short), float(long)]
 
 
 @dataclass(frozen=True)
 class ProfiledTiming:
-    """A linear fit of measured step times: seconds per step, per row, per new token, per attended position."""
+    """A linear fit of measured step times: seconds per step, per row, per new token, per attended position
+    (of short rows, of long rows)."""
 
     model: str
     device: str
     coefficients: tuple[float, ...]  # in PROFILE_FEATURES order, each >= 0
-    samples: tuple[tuple[float, ...], ...] = ()  # (rows, tokens, attended, measured_s), kept for the record
+    short_row_tokens: int  # rows the measured runner attended token by token: 64 with its CPU kernel, else 1
+    samples: tuple[tuple[float, ...], ...] = ()  # (PROFILE_FEATURES but step..., measured_s), for the record
 
     def step_s(self, rows: Sequence[StepRow]) -> float:
-        return sum(c * x for c, x in zip(self.coefficients, profile_features(rows)))
+        return sum(c * x for c, x in zip(self.coefficients, profile_features(rows, self.short_row_tokens)))
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps({**asdict(self), "features": PROFILE_FEATURES}, indent=1) + "\n")
@@ -159,16 +169,17 @@ class ProfiledTiming:
         data = json.loads(path.read_text())
         if tuple(data["features"]) != PROFILE_FEATURES:
             raise ValueError(f"{path}: fitted on {data['features']}, not {PROFILE_FEATURES}")
-        return cls(data["model"], data["device"], tuple(data["coefficients"]),
+        return cls(data["model"], data["device"], tuple(data["coefficients"]), data["short_row_tokens"],
                    tuple(tuple(s) for s in data["samples"]))
 
 
-def fit_profile(model: str, device: str, samples: Sequence[tuple[Sequence[StepRow], float]]) -> ProfiledTiming:
+def fit_profile(model: str, device: str, short_row_tokens: int,
+                samples: Sequence[tuple[Sequence[StepRow], float]]) -> ProfiledTiming:
     """Least squares over (step's rows, measured seconds), refitted without any feature whose coefficient
     comes out negative, so no step is ever modelled faster by being bigger."""
     import torch
 
-    x = torch.tensor([profile_features(rows) for rows, _ in samples], dtype=torch.float64)
+    x = torch.tensor([profile_features(rows, short_row_tokens) for rows, _ in samples], dtype=torch.float64)
     y = torch.tensor([[s] for _, s in samples], dtype=torch.float64)
     kept = list(range(len(PROFILE_FEATURES)))
     while True:
@@ -180,8 +191,8 @@ def fit_profile(model: str, device: str, samples: Sequence[tuple[Sequence[StepRo
     coefficients = [0.0] * len(PROFILE_FEATURES)
     for k, c in zip(kept, solution):
         coefficients[k] = c
-    records = tuple((*profile_features(rows)[1:], s) for rows, s in samples)
-    return ProfiledTiming(model, device, tuple(coefficients), records)
+    records = tuple((*profile_features(rows, short_row_tokens)[1:], s) for rows, s in samples)
+    return ProfiledTiming(model, device, tuple(coefficients), short_row_tokens, records)
 
 
 def timing_for(model_config: Mapping[str, Any], dtype_bytes: int, device: str, profile: str) -> StepTiming:

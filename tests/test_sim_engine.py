@@ -20,6 +20,7 @@ from shared.sampling import SamplingParams
 from shared.sim_runner import SimRunner, next_token
 from shared.step_timing import (
     DEVICES,
+    PROFILES_DIR,
     ModelShape,
     ProfiledTiming,
     Roofline,
@@ -63,17 +64,28 @@ def test_decode_is_memory_bound_and_prefill_compute_bound_as_the_roofline_says()
 
 
 def test_a_profile_fit_recovers_its_coefficients_and_round_trips(tmp_path):
-    truth = (0.004, 0.0002, 0.00003, 1e-8)
+    truth = (0.004, 0.0002, 0.00003, 5e-8, 1e-8)
     samples = []
     for rows in ([StepRow(100, 1)] * 4, [StepRow(500, 1)] * 16, [StepRow(0, 256)], [StepRow(0, 64), StepRow(40, 1)],
-                 [StepRow(1000, 1)] * 2, [StepRow(256, 128)]):
-        exact = ProfiledTiming("m", "d", truth).step_s(rows)
+                 [StepRow(1000, 1)] * 2, [StepRow(256, 128)], [StepRow(1024, 512)]):
+        exact = ProfiledTiming("m", "d", truth, 1).step_s(rows)
         samples.append((rows, exact))
-    fitted = fit_profile("m", "d", samples)
+    fitted = fit_profile("m", "d", 1, samples)
     assert fitted.coefficients == pytest.approx(truth, rel=1e-6)
     fitted.save(tmp_path / "p.json")
     loaded = timing_for({}, 2, "", str(tmp_path / "p.json"))
     assert loaded.step_s([StepRow(300, 7)]) == pytest.approx(fitted.step_s([StepRow(300, 7)]))
+
+
+def test_the_shipped_cpu_profile_loads_and_grows_with_the_step():
+    profile = ProfiledTiming.load(PROFILES_DIR / "smollm2-cpu.json")
+    assert len(profile.samples) >= 10 and all(c >= 0 for c in profile.coefficients)
+    for *features, measured_s in profile.samples:  # the fit stays near what was measured
+        assert profile.coefficients[0] + sum(c * x for c, x in zip(profile.coefficients[1:], features)) \
+            == pytest.approx(measured_s, rel=0.35)
+    small = profile.step_s([StepRow(128, 1)])
+    assert timing_for({}, 4, "h100", "smollm2-cpu").step_s([StepRow(128, 1)]) == small, "--sim-profile by name"
+    assert 0 < small < profile.step_s([StepRow(128, 1)] * 16) < profile.step_s([StepRow(0, 512)])
 
 
 @pytest.fixture(scope="module")
