@@ -7,6 +7,7 @@ for fast tests) and any local Hugging Face causal-LM directory. All three load t
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -14,6 +15,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,6 +57,20 @@ def _smollm2_gguf_dir() -> Path:
     return Path(spec.origin).parent
 
 
+def _made_once(target: Path, made_when: str, make: Callable[[Path], None]) -> Path:
+    """`target`, made by `make` unless `target / made_when` exists. Making holds an exclusive lock beside
+    it: the suite's workers and services that start together ask for the same checkpoint at once, and
+    only one may build it (the others wait, then find it made)."""
+    if (target / made_when).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / made_when).exists():
+            make(target)
+    return target
+
+
 def _write_atomically(build_into: Path, target: Path) -> None:
     if target.exists():
         shutil.rmtree(target)
@@ -63,18 +79,17 @@ def _write_atomically(build_into: Path, target: Path) -> None:
 
 def ensure_smollm2_tokenizer() -> Path:
     """Extract only SmolLM2's tokenizer (seconds); the tiny model borrows it."""
-    target = pdd_home() / "smollm2-tokenizer"
-    if (target / "tokenizer.json").exists():
-        return target
+    return _made_once(pdd_home() / "smollm2-tokenizer", "tokenizer.json", _make_smollm2_tokenizer)
+
+
+def _make_smollm2_tokenizer(target: Path) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(_smollm2_gguf_dir(), gguf_file=SMOLLM2_GGUF)
-    target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         tokenizer.save_pretrained(tmp)
         _write_atomically(Path(tmp), target)
         Path(tmp).mkdir()  # TemporaryDirectory cleans up a path that must exist
-    return target
 
 
 def save_tied(model: torch.nn.Module, path: Path) -> None:
@@ -91,9 +106,10 @@ def save_tied(model: torch.nn.Module, path: Path) -> None:
 
 def ensure_smollm2() -> Path:
     """Dequantise the GGUF once into a safetensors checkpoint (progress shown), then reuse it."""
-    target = pdd_home() / "smollm2-135m-instruct"
-    if (target / "model.safetensors").exists():
-        return target
+    return _made_once(pdd_home() / "smollm2-135m-instruct", "model.safetensors", _make_smollm2)
+
+
+def _make_smollm2(target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting SmolLM2-135M-Instruct from GGUF into %s (once)", target)
@@ -105,7 +121,6 @@ def ensure_smollm2() -> Path:
     config.pop("_model_name_or_path", None)
     config["_pdd_name"] = "SmolLM2-135M-Instruct"
     config["architectures"] = [type(model).__name__]  # other servers (vLLM) pick the model class from it
-    target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config, indent=2))
         save_tied(model, Path(tmp) / "model.safetensors")
@@ -113,7 +128,6 @@ def ensure_smollm2() -> Path:
         model.generation_config.save_pretrained(tmp)
         _write_atomically(Path(tmp), target)
         Path(tmp).mkdir()
-    return target
 
 
 TINY_CONFIG: dict[str, Any] = dict(  # LlamaConfig's keyword arguments
@@ -125,9 +139,10 @@ TINY_CONFIG: dict[str, Any] = dict(  # LlamaConfig's keyword arguments
 
 def ensure_tiny() -> Path:
     """A small random Llama with SmolLM2's tokenizer, the same bytes on every machine."""
-    target = pdd_home() / "tiny-llama"
-    if (target / "model.safetensors").exists():
-        return target
+    return _made_once(pdd_home() / "tiny-llama", "model.safetensors", _make_tiny)
+
+
+def _make_tiny(target: Path) -> None:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_tokenizer())
@@ -139,13 +154,12 @@ def ensure_tiny() -> Path:
     model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]
     config_dict = model.config.to_dict()
     config_dict["_pdd_name"] = "tiny-llama"
-    with tempfile.TemporaryDirectory(dir=pdd_home()) as tmp:
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config_dict, indent=2))
         save_tied(model, Path(tmp) / "model.safetensors")
         tokenizer.save_pretrained(tmp)
         _write_atomically(Path(tmp), target)
         Path(tmp).mkdir()
-    return target
 
 
 def resolve_model(spec: str) -> Path:
