@@ -6,7 +6,7 @@ cd "$(dirname "$0")"
 
 usage() {
   echo "usage: ./dev.sh demo [pdd demo flags, e.g. --model tiny --prompt '...']" >&2
-  echo "       ./dev.sh test [pytest args, e.g. -k launcher]" >&2
+  echo "       ./dev.sh test [pytest args, e.g. -k launcher; -n 0 for one worker]" >&2
 }
 
 case "${1:-}" in
@@ -18,7 +18,9 @@ case "${1:-}" in
   test)
     shift
     scripts/setup.sh
-    exec .venv/bin/python -m pytest -q "$@"
+    # Two workers, each taking whole test files (a module's stack stays in one worker): most of a
+    # stack test is waiting on processes, so two overlap well even on two cores. -n 0 runs serially.
+    exec .venv/bin/python -m pytest -q -n "${PDD_TEST_WORKERS:-2}" --dist loadfile "$@"
     ;;
   -h | --help | help)
     usage

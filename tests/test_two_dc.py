@@ -220,7 +220,7 @@ async def test_a_catch_up_streamed_from_rlds_first_token_over_the_wan_is_token_e
 
     assert result.token_ids == tiny_generate(prompt, 400)
     assert result.handoff is not None and result.handoff["mode"] == "catch-up", result.handoff
-    assert result.handoff["chunks"] >= 3, "RLD streamed its tokens one by one"
+    assert result.handoff["chunks"] >= 2, "RLD streamed its tokens as they came, not once at its cut"
     cut = result.tiers.index("main")
     assert result.tiers == ["relay"] * cut + ["main"] * (400 - cut)
 
