@@ -2,9 +2,8 @@
 
 Progress is counted per connection: bytes arriving on a connection move every request it carries,
 so a request whose frames queue behind other requests' frames on a busy link waits, it does not
-stall. Knows nothing of sockets: `shared.kv_reader` reads each frame's payload straight into the
-rows `KVInbox.rows` gives it. `KVBuffers` keeps freed destinations for the next inbox, whose
-pages are then already mapped.
+stall. Knows nothing of sockets: `shared.kv_reader` reads each frame's payload and hands it in.
+`KVBuffers` keeps freed destinations for the next inbox, whose pages are then already mapped.
 """
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ import asyncio
 import math
 import time
 
+import numpy as np
 import torch
 
 from shared import kv_wire
@@ -129,15 +129,15 @@ class KVInbox(TransferMachine):
         self._seen.add(key)
         return True
 
-    def rows(self, header: kv_wire.FrameHeader) -> list[memoryview] | None:
-        """A claimed frame's destination: its payload's rows, in order, as views of this transfer's own
-        KV memory (None when the frame's dtype is not the KV's: then it is read whole and `place`d)."""
-        if header.dtype != self.kv.dtype:
-            return None
+    def write(self, header: kv_wire.FrameHeader, payload: memoryview) -> None:
+        """A claimed frame's payload, read whole in the KV's own dtype and its checksum matched:
+        its rows copied into place (numpy, on this thread: never a thread pool woken for a copy)."""
+        if self.ended:
+            return
         t0, t1 = header.token_start - self.token_start, header.token_end - self.token_start
         window = self._row_bytes[header.layer_start:header.layer_end, :, :, t0:t1]
-        return [memoryview(window[layer, half, head]).cast("B")
-                for layer in range(window.shape[0]) for half in range(2) for head in range(window.shape[2])]
+        np.copyto(window, np.frombuffer(payload, dtype=np.uint8).reshape(window.shape))
+        self.filled(header)
 
     def place(self, header: kv_wire.FrameHeader, kv: torch.Tensor) -> None:
         """A claimed frame read whole ([layers, 2, kv_heads, tokens, head_dim] in its wire dtype),
