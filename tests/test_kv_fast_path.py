@@ -1,4 +1,4 @@
-"""The KV path's fast path (issue 44): payloads land straight in the inbox's memory, which is reused
+"""The KV path's fast path (issue 44): payloads land in the inbox's own memory, which is reused
 once released; a corrupted payload is caught by its CRC32C; a released request's memory is never
 written after; frames stripe over connections by who is free, across chunks; an abort mid-frame
 leaves the connection whole for the transfers that share it."""
