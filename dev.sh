@@ -18,10 +18,9 @@ case "${1:-}" in
   test)
     shift
     scripts/setup.sh
-    # Two workers, each taking whole test files (a module's stack stays in one worker), heaviest files
-    # first (tests/conftest.py orders them): most of a stack test is waiting on processes, so two
-    # overlap well even on two cores. -n 0 runs serially.
-    exec .venv/bin/python -m pytest -q -n "${PDD_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
+    # Two workers, each taking whole test files (a module's stack stays in one worker): most of a
+    # stack test is waiting on processes, so two overlap well even on two cores. -n 0 runs serially.
+    exec .venv/bin/python -m pytest -q -n "${PDD_TEST_WORKERS:-2}" --dist loadfile "$@"
     ;;
   -h | --help | help)
     usage

@@ -3,7 +3,6 @@ the `e2e` mark: a test that starts processes, found from its own code and its fi
 `pytest -m "not e2e"` is the fast tier."""
 from __future__ import annotations
 
-import collections
 import functools
 import inspect
 from collections.abc import AsyncIterator, Callable
@@ -41,17 +40,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         fixtures = [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
         if any(_starts_processes(func) for func in (item.function, *fixtures)):
             item.add_marker(pytest.mark.e2e)
-    _heaviest_files_first(items)
-
-
-def _heaviest_files_first(items: list[pytest.Item]) -> None:
-    """Order files by how many of their tests start processes, most first (each file's own order kept).
-    ./dev.sh test hands whole files to two workers in this order (--no-loadscope-reorder): the files of
-    quick unit tests come last and fill in while the other worker finishes a stack file, instead of a
-    one-test stack file such as test_bench's starting last."""
-    e2e_tests: collections.Counter[Path] = collections.Counter(
-        item.path for item in items if item.get_closest_marker("e2e"))
-    items.sort(key=lambda item: -e2e_tests[item.path])
 
 
 def reference_generate(model_path: Path, dtype: str = "float32") -> Generate:
