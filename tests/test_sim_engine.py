@@ -174,8 +174,9 @@ async def test_a_sim_step_sleeps_its_modelled_time(tiny_path):
     assert stats["sim_steps"] - steps_before == stats["engine_steps"] == 10
     assert modelled_s == pytest.approx(sum(timing.step_s([StepRow(19 + i, 1)]) for i in range(10)), rel=1e-6)
     assert modelled_s >= 0.2, "ten steps of at least the device's overhead each"
-    assert modelled_s <= stats["forward_s"] + 0.001 <= modelled_s + 0.1, "each forward lasted its modelled time"
-    assert modelled_s <= wall_s < modelled_s + 2.0
+    # the upper bounds leave room for a loaded machine's late wake-ups (the suite runs on two workers)
+    assert modelled_s <= stats["forward_s"] + 0.001 <= modelled_s + 1.0, "each forward lasted its modelled time"
+    assert modelled_s <= wall_s < modelled_s + 5.0
 
 
 async def test_a_sim_stack_hands_off_token_exact(stack, session, sim):
