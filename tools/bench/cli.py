@@ -98,6 +98,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     g.add_argument("--cpus", dest="cpu_affinity", type=parse_cpu_affinity, action="append", default=[],
                    metavar="NAME[,NAME]=CORES", help="pin processes to cores in every mode, e.g. prefill=0 "
                                                      "--cpus relay,main=1 (as pdd up); default: unpinned")
+    g.add_argument("--engine", default=s.engine, choices=("real", "sim"), help=flag_help(ModelConfig, "engine"))
+    g.add_argument("--sim-device", default=s.sim_device, help=flag_help(ModelConfig, "sim_device"))
+    g.add_argument("--sim-profile", default=s.sim_profile, help=flag_help(ModelConfig, "sim_profile"))
     g.add_argument("--service-flags", dest="service_flags", type=_service_flags, action="append", default=[],
                    metavar="ROLE=FLAGS", help="more flags for one service in every mode, e.g. gateway='--backfill-"
                                               "link-share 0.5'; repeatable; ROLE one of " + ", ".join(SERVICE_ROLES))
@@ -204,7 +207,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                            startup_timeout_s=args.startup_timeout_s, log_dir=out / "logs",
                            gateway_datacenter=args.gateway_datacenter,
                            cpu_affinity=tuple(merge_cpu_affinity(args.cpu_affinity).items()),
-                           extra_args=_merge_service_flags(args.service_flags)),
+                           extra_args=_merge_service_flags(args.service_flags), engine=args.engine,
+                           sim_device=args.sim_device, sim_profile=args.sim_profile),
         load=LoadOptions(request_rate=args.request_rate, max_concurrency=args.max_concurrency,
                          max_requests=args.max_requests, duration_s=args.duration_s,
                          request_timeout_s=args.request_timeout_s, warmup_requests=args.warmup_requests,

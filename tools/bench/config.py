@@ -28,6 +28,9 @@ class StackOptions:
     extra_args: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (role, flags), added in every mode
     gateway_datacenter: str = "a"  # two-dc modes: the gateway beside P and RLD (a) or beside MD (b)
     cpu_affinity: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (process, cores), the same in every mode
+    engine: str = default_of(StackConfig, "engine")  # "sim": P, RLD and MD model their steps (docs/sim.md)
+    sim_device: str = default_of(StackConfig, "sim_device")
+    sim_profile: str = default_of(StackConfig, "sim_profile")
 
 
 @dataclass(frozen=True)

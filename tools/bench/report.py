@@ -28,6 +28,7 @@ def result_json(result: RunResult) -> Json:
                      "warmup_requests": len(w.warmup)},
         "stack": result.stack,
         "metrics": result.metrics,
+        "cpu_s": result.cpu_s,
         "requests": [asdict(r) for r in result.records],
     }
 
@@ -111,6 +112,24 @@ def _relay_only_wan(d: Json) -> str:
     return f"{_mb(sent)} MB / {_mb(owed)} MB ({_pct(sent / owed) if owed else '-'}){after}"
 
 
+def cpu_table(results: list[Json]) -> str:
+    """CPU seconds each process used over the measured replay, and the cores they kept busy on average."""
+    names = sorted({name for r in results for name in r.get("cpu_s") or {}})
+    if not names:
+        return ""
+    lines = ["| workload | mode | replay s | " + " | ".join(names) + " | total | cores busy |",
+             "|---|---|---:|" + "---:|" * (len(names) + 2)]
+    for r in results:
+        used = r.get("cpu_s") or {}
+        if not used:
+            continue
+        total, wall = sum(used.values()), r["metrics"]["duration_s"]
+        cells = " | ".join(f"{used[n]:,.1f}" if n in used else "-" for n in names)
+        busy = f"{total / wall:.2f}" if wall else "-"
+        lines.append(f"| {r['workload']['name']} | {r['mode']} | {wall:,.1f} | {cells} | {total:,.1f} | {busy} |")
+    return "\n".join(lines)
+
+
 def _change(new: object, old: object) -> str:
     if new is None or old is None or not old:
         return "-"
@@ -155,6 +174,10 @@ def summary_markdown(results: list[Json], skipped: dict[str, str]) -> str:
                    "(the backfill, gateway --backfill-link-share; the emulator's bytes include it)."), ""]
     parts += ["## Latency and throughput", "", latency_table(results), "",
               "## PDD", "", pdd_table(results), ""]
+    if cpu := cpu_table(results):
+        parts += ["## CPU", "", ("CPU seconds (user + system, from /proc) each process and its children used during "
+                                 "the measured replay; client is the bench process itself. Cores busy: their sum "
+                                 "over the replay's wall time."), "", cpu, ""]
     if against := baseline_table(results):
         parts += [f"## Change against {BASELINE_MODE} (cross-datacenter PD, whole KV over the WAN)", "",
                   "KV sent to MD counts the emulator's A→B bytes where there is a WAN; '-' where the baseline is 0.",

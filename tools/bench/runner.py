@@ -18,7 +18,7 @@ from shared import bus, messages, subjects
 from shared.messages import Heartbeat
 from shared.models import DTYPES, kv_layout
 from shared.names import Role
-from tools.bench import metrics
+from tools.bench import cpu, metrics
 from tools.bench.config import BenchConfig, Target
 from tools.bench.modes import MODES, Mode, pipeline_of, request_fields, stack_config, unavailable_reason
 from tools.bench.replay import Replayer, RequestRecord, warmup_requests
@@ -38,6 +38,7 @@ class RunResult:
     duration_s: float
     metrics: Json
     stack: Json = field(default_factory=dict)
+    cpu_s: dict[str, float] = field(default_factory=dict)  # per process over the replay (tools/bench/cpu.py)
 
     @property
     def name(self) -> str:
@@ -135,7 +136,9 @@ def stack_facts(mode: Mode, cfg: BenchConfig, stack_cfg: StackConfig) -> Json:
             "torch_threads": stack_cfg.torch_threads, "chunk_tokens": stack_cfg.chunk_tokens,
             "extra_args": {r: list(f) for r, f in stack_cfg.extra_args.items()},
             "gateway_datacenter": stack_cfg.gateway_datacenter if mode.two_dc else None,
-            "cpu_affinity": {name: list(cores) for name, cores in stack_cfg.cpu_affinity.items()}}
+            "cpu_affinity": {name: list(cores) for name, cores in stack_cfg.cpu_affinity.items()},
+            "engine": stack_cfg.engine, "sim_device": stack_cfg.sim_device if stack_cfg.engine == "sim" else None,
+            "sim_profile": stack_cfg.sim_profile if stack_cfg.engine == "sim" else None}
 
 
 # An idle pooled connection is closed by the client after this long, before any server closes it:
@@ -186,7 +189,10 @@ async def _run_workload(stack: LocalStack, session: aiohttp.ClientSession, mode:
                         len(failed), failed[0])
         relay_before = await _relay_finished_bytes(stack) if mode.relay else None
         before = await _wan_kv_bytes(stack)
+        pids = {role: proc.pid for role, proc in stack.processes.items()}
+        cpu_before = cpu.cpu_seconds(pids)
         records, duration_s = await replayer.run(workload.requests)
+        cpu_used = cpu.used_between(cpu_before, cpu.cpu_seconds(pids))
         relay_after = await _relay_finished_bytes(stack) if relay_before is not None else None
         after = await _wan_kv_bytes(stack)
     finally:
@@ -197,7 +203,7 @@ async def _run_workload(stack: LocalStack, session: aiohttp.ClientSession, mode:
     summary = metrics.summarize(records, duration_s, slo=cfg.slo, costs=cfg.costs, instances=mode.instances,
                                 kv_bytes_per_token=bytes_per_token, wan_emulator_bytes=wan_bytes,
                                 relay_finished_bytes=relay_finished)
-    return RunResult(mode.name, workload, records, duration_s, summary)
+    return RunResult(mode.name, workload, records, duration_s, summary, cpu_s=cpu_used)
 
 
 async def run_target(target: Target, workloads: list[Workload], cfg: BenchConfig,
