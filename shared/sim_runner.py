@@ -19,6 +19,7 @@ from transformers import AutoConfig
 from shared.config import ModelConfig
 from shared.model_runner import ModelRunner, PackedRow, SequenceKV
 from shared.models import load_model, pick_device
+from shared.sim_checkpoint import modelled_shape
 from shared.step_timing import StepRow, StepTiming, timing_for
 
 CONTEXT_TOKENS = 4  # the next token depends on this many previous ids and the position
@@ -116,6 +117,6 @@ def build_runner(config: ModelConfig, path: Path, row_invariant: bool = True) ->
     """The runner `--engine` asks for: the model's own, or the simulated one timed by --sim-profile/--sim-device."""
     if config.engine == "real":
         return ModelRunner(load_model(path, config.dtype, config.device), config.decode_attention, row_invariant)
-    model_config = json.loads((path / "config.json").read_text())
+    model_config = modelled_shape(json.loads((path / "config.json").read_text()))  # a sim checkpoint's shape
     timing = timing_for(model_config, getattr(torch, config.dtype).itemsize, config.sim_device, config.sim_profile)
     return SimRunner(path, config.dtype, config.device, timing)

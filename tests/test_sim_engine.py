@@ -1,8 +1,11 @@
 """The simulated engine (`--engine sim`): its step times follow the roofline, its tokens are a function
 of the context alone (batched or not, recomputed or received as KV), each step sleeps its modelled
-time, and a real stack on it hands off token-exact through P-MD and P-RLD-MD."""
+time, a larger model's shape is served with its KV scaled by --kv-byte-scale, and a real two-datacenter
+stack on it (Llama-3-8B's shape, KV and WAN line rate at 1/16) hands off token-exact through P-MD and
+P-RLD-MD with the carried KV bytes on the WAN."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import json
@@ -14,10 +17,12 @@ import pytest
 import torch
 
 from shared.batch_engine import BatchEngine
-from shared.config import EngineConfig
+from shared.config import EngineConfig, ModelConfig
 from shared.model_runner import DecodeSequence
+from shared.models import kv_layout, load_tokenizer
 from shared.sampling import SamplingParams
-from shared.sim_runner import SimRunner, next_token
+from shared.sim_checkpoint import carried_kv, load_shape, sim_checkpoint
+from shared.sim_runner import SimRunner, build_runner, next_token
 from shared.step_timing import (
     DEVICES,
     PROFILES_DIR,
@@ -29,10 +34,15 @@ from shared.step_timing import (
     timing_for,
 )
 from tools.api_client import stream_completion
+from tools.bench import cli, report
+from tools.bench.modes import MODES, stack_config
+from tools.stack_config import MD_KV_ROUTE, StackConfig
 
 from helpers import complete, fresh_heartbeats, random_prompt
 
-STACK = {"engine": "sim", "sim_device": "h20"}
+SCALE = 16
+STACK = {"engine": "sim", "sim_device": "h20", "sim_shape": "llama-8b", "kv_byte_scale": SCALE,
+         "topology": "two-dc", "wan_bandwidth_mbps": 1000.0}
 SMOLLM2_7B_LIKE = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
                    "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256}  # Llama-3-8B's shape
 
@@ -86,6 +96,53 @@ def test_the_shipped_cpu_profile_loads_and_grows_with_the_step():
     small = profile.step_s([StepRow(128, 1)])
     assert timing_for({}, 4, "h100", "smollm2-cpu").step_s([StepRow(128, 1)]) == small, "--sim-profile by name"
     assert 0 < small < profile.step_s([StepRow(128, 1)] * 16) < profile.step_s([StepRow(0, 512)])
+
+
+def test_kv_byte_scale_divides_the_head_dim_then_the_kv_heads_then_the_layers():
+    assert carried_kv(80, 8, 128, 1) == (80, 8, 128)
+    assert carried_kv(80, 8, 128, 16) == (80, 8, 8)
+    assert carried_kv(80, 8, 128, 64) == (80, 4, 4)  # the head dim keeps the sim's 3 digits (at least 4)
+    assert carried_kv(80, 8, 128, 5) == (16, 8, 128)
+    with pytest.raises(ValueError, match="power of two"):
+        carried_kv(80, 8, 128, 3)
+
+
+def test_a_sim_checkpoint_serves_a_larger_shape_with_scaled_kv_and_the_models_tokenizer(tiny_path, tmp_path):
+    path = sim_checkpoint(tiny_path, "llama-70b", SCALE, home=tmp_path)
+    assert sim_checkpoint(tiny_path, "llama-70b", SCALE, home=tmp_path) == path, "made once, then reused"
+    assert not list(path.glob("*.safetensors")), "no weights: only the sim can serve it"
+    assert len(load_tokenizer(path)) == len(load_tokenizer(tiny_path))
+    _, shape = load_shape("llama-70b")
+    modelled_bytes = 80 * 2 * 8 * 128 * 2  # Llama-3-70B's KV per token in bfloat16: 320 KiB
+    assert kv_layout(path).bytes_per_token_fp32 // 2 == modelled_bytes // SCALE, "the KV layout peers agree on"
+    runner = build_runner(ModelConfig(model=str(path), dtype="bfloat16", engine="sim", sim_device="h20"), path)
+    assert runner.new_kv(10).data.nbytes == 10 * modelled_bytes // SCALE, "what crosses the sockets"
+    assert runner.vocab == len(load_tokenizer(tiny_path)), "tokens the tokenizer can spell"
+    assert runner.timing == Roofline(ModelShape.from_config(shape, 2), DEVICES["h20"]), "timed as the 70B model"
+
+
+def test_the_wan_line_rate_is_divided_as_the_kv_bytes_are_and_only_a_sim_scales():
+    assert StackConfig(engine="sim", kv_byte_scale=SCALE, wan_bandwidth_mbps=10_000).wan_line_mbps == 625
+    assert StackConfig(wan_bandwidth_mbps=100).wan_line_mbps == 100
+    for wrong in ({"kv_byte_scale": SCALE}, {"sim_shape": "llama-70b"}, {"engine": "sim", "kv_byte_scale": 0},
+                  {"engine": "sim", "kv_byte_scale": 2, "wan_trace": "trace.csv"}):
+        with pytest.raises(ValueError):
+            StackConfig(**wrong)  # type: ignore[arg-type]
+
+
+def test_pdd_bench_runs_every_mode_on_the_sim_and_says_its_bytes_are_scaled(tmp_path):
+    parser = argparse.ArgumentParser(prog="pdd")
+    cli.add_bench_parser(parser.add_subparsers(dest="command"))
+    cfg = cli.config_from_args(parser.parse_args(
+        ["bench", "--scenario", "paper", "--engine", "sim", "--sim-profile", "smollm2-cpu", "--sim-shape", "llama-70b",
+         "--kv-byte-scale", str(SCALE), "--wan-bandwidth-mbps", "10000", "--out", str(tmp_path)]))
+    for mode in cfg.modes:
+        stack = stack_config(MODES[mode], cfg, tmp_path)
+        assert (stack.engine, stack.sim_profile, stack.sim_shape, stack.kv_byte_scale) == (
+            "sim", "smollm2-cpu", "llama-70b", SCALE)
+        assert not MODES[mode].two_dc or stack.wan_line_mbps == 10_000 / SCALE
+    note = report._sim_note({"engine": "sim", "sim_profile": "smollm2-cpu", "kv_byte_scale": SCALE})
+    assert "profile smollm2-cpu" in note and f"scaled by 1/{SCALE}" in note
 
 
 @pytest.fixture(scope="module")
@@ -179,13 +236,18 @@ async def test_a_sim_step_sleeps_its_modelled_time(tiny_path):
     assert modelled_s <= wall_s < modelled_s + 5.0
 
 
-async def test_a_sim_stack_hands_off_token_exact(stack, session, sim):
+async def test_a_sim_stack_hands_off_token_exact_with_the_scaled_kv_on_the_wan(stack, session, sim):
     prompt_ids = random_prompt(11, 30)
+    wan_before = (await stack.wan.stats())["routes"][MD_KV_ROUTE]["a_to_b"]["bytes"]
     md = await complete(session, stack, prompt_ids, 16, pipeline="p-md")
+    wan_bytes = (await stack.wan.stats())["routes"][MD_KV_ROUTE]["a_to_b"]["bytes"] - wan_before
     split = await complete(session, stack, prompt_ids, 16, pipeline="p-rld-md", handoff_at=6)
     assert set(md.tiers) == {"main"}
     main_kv = md.summary["kv"]["main"]  # the prompt's KV crossed P's socket to MD (or came from MD's DRC)
     assert main_kv["cached_tokens"] + main_kv["kv_tokens"] == len(prompt_ids) - 1 and main_kv["kv_tokens"] > 0
+    carried = 32 * 2 * 8 * 128 * 4 // SCALE  # Llama-3-8B's KV per token in float32, scaled
+    assert main_kv["kv_bytes"] == main_kv["kv_tokens"] * carried
+    assert main_kv["kv_bytes"] <= wan_bytes < 2 * main_kv["kv_bytes"], "the carried KV crossed the WAN (and headers)"
     assert split.tiers == ["relay"] * 6 + ["main"] * 10 and split.handoff["eager_tokens"] == 6
     assert md.token_ids == split.token_ids == reference(sim, prompt_ids, 16)
     beats = await fresh_heartbeats(stack.nats_url)

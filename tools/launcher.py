@@ -32,6 +32,7 @@ import aiohttp
 
 from shared.config import DEFAULT_MAX_PAYLOAD_BYTES, NatsAuth
 from shared.models import resolve_model
+from shared.sim_checkpoint import sim_checkpoint
 from tools.nats_certs import NatsCerts, make_nats_certs
 from tools.nats_config import (
     NATS_USER,
@@ -145,7 +146,10 @@ class LocalStack:
         log.info("resolving model %r", self.config.model)
         try:
             self.model_path = (await asyncio.to_thread(resolve_model, self.config.model)).resolve()
-        except FileNotFoundError as exc:
+            if self.config.sim_shape or self.config.kv_byte_scale != 1:  # a shape and a KV layout, no weights
+                self.model_path = await asyncio.to_thread(sim_checkpoint, self.model_path, self.config.sim_shape,
+                                                          self.config.kv_byte_scale)
+        except (FileNotFoundError, ValueError) as exc:
             raise StackError(str(exc)) from exc
         for role in SERVICES:
             self._argv[role] = self._service_argv(role)
@@ -217,7 +221,7 @@ class LocalStack:
                   f"{NATS_GW_A_ROUTE}={LOOPBACK}:0->{LOOPBACK}:{gateway_ports['b']}",
                   f"{NATS_GW_B_ROUTE}@b={LOOPBACK}:0->{LOOPBACK}:{gateway_ports['a']}"]
         argv = [sys.executable, "-m", "wan", *(a for r in routes for a in ("--route", r)),
-                "--bandwidth-mbps", str(c.wan_bandwidth_mbps), "--delay-ms", str(c.wan_delay_ms),
+                "--bandwidth-mbps", str(c.wan_line_mbps), "--delay-ms", str(c.wan_delay_ms),
                 "--jitter-ms", str(c.wan_jitter_ms), "--control-host", LOOPBACK,
                 "--control-port", str(c.wan_control_port), "--log-level", c.log_level]
         if c.wan_trace is not None:

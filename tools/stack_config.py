@@ -57,6 +57,8 @@ class StackConfig:
     engine: str = default_of(ModelConfig, "engine")  # "sim": P, RLD and MD model their steps (docs/sim.md)
     sim_device: str = default_of(ModelConfig, "sim_device")
     sim_profile: str = default_of(ModelConfig, "sim_profile")
+    sim_shape: str = ""  # engine sim: serve this shape (shared/sim_shapes/ or a config.json), the model's tokenizer
+    kv_byte_scale: int = 1  # engine sim: KV carries 1/N of the modelled bytes, the WAN's line rate is 1/N (docs/sim.md)
     nats_url: str | None = None  # None: start our own nats-server on a free loopback port
     host: str = default_of(GatewayConfig, "host")
     port: int = default_of(GatewayConfig, "port")  # 0: pick a free port
@@ -91,6 +93,14 @@ class StackConfig:
             raise ValueError(f"cpu_affinity names no process of the stack: {sorted(unknown)}")
         if any(not cores for cores in self.cpu_affinity.values()):
             raise ValueError("cpu_affinity gives a process no core")
+        if (self.sim_shape or self.kv_byte_scale != 1) and self.engine != "sim":
+            raise ValueError("sim_shape and kv_byte_scale model a checkpoint the real engine does not have: "
+                             "give engine 'sim'")
+        if self.kv_byte_scale < 1:
+            raise ValueError(f"kv_byte_scale must be a whole number >= 1, got {self.kv_byte_scale}")
+        if self.kv_byte_scale != 1 and self.wan_trace is not None:
+            raise ValueError("kv_byte_scale divides the WAN's line rate, and a bandwidth trace's rates are not "
+                             "scaled: give wan_bandwidth_mbps instead")
         if self.nats_auth and self.nats_url:
             raise ValueError("nats_auth secures the nats-server the launcher starts; for your own server at "
                              "nats_url, give the services PDD_NATS_USER, PDD_NATS_PASSWORD_FILE, PDD_NATS_TLS_*")
@@ -106,6 +116,12 @@ class StackConfig:
                             help=flag_help(ModelConfig, "engine"))
         parser.add_argument("--sim-device", default=d.sim_device, help=flag_help(ModelConfig, "sim_device"))
         parser.add_argument("--sim-profile", default=d.sim_profile, help=flag_help(ModelConfig, "sim_profile"))
+        parser.add_argument("--sim-shape", default=d.sim_shape,
+                            help="--engine sim: serve this model shape (a name in shared/sim_shapes/, e.g. llama-70b, "
+                                 "or a config.json) with --model's tokenizer; its KV crosses the sockets (docs/sim.md)")
+        parser.add_argument("--kv-byte-scale", type=int, default=d.kv_byte_scale,
+                            help="--engine sim: KV carries 1/N of the modelled bytes per token and the WAN's line "
+                                 "rate is --wan-bandwidth-mbps/N, so transfers take the modelled time (default 1)")
         parser.add_argument("--host", default=d.host, help="address the gateway binds")
         parser.add_argument("--port", type=int, default=d.port, help="gateway port; 0 picks a free one")
         parser.add_argument("--pipeline", default=d.pipeline, choices=choices(Pipeline.requestable(), AUTO),
@@ -154,7 +170,8 @@ class StackConfig:
     def from_namespace(cls, ns: argparse.Namespace) -> StackConfig:
         return cls(
             model=ns.model, dtype=ns.dtype, device=ns.device, engine=ns.engine, sim_device=ns.sim_device,
-            sim_profile=ns.sim_profile, nats_url=ns.nats_url, host=ns.host,
+            sim_profile=ns.sim_profile, sim_shape=ns.sim_shape, kv_byte_scale=ns.kv_byte_scale,
+            nats_url=ns.nats_url, host=ns.host,
             port=ns.port, pipeline=ns.pipeline, log_dir=ns.log_dir, log_level=ns.log_level,
             torch_threads=ns.torch_threads, chunk_tokens=ns.chunk_tokens,
             startup_timeout_s=ns.startup_timeout_s, topology=ns.topology,
@@ -168,6 +185,11 @@ class StackConfig:
     @property
     def two_dc(self) -> bool:
         return self.topology == "two-dc"
+
+    @property
+    def wan_line_mbps(self) -> float:
+        """The emulator's line rate: the modelled one divided by kv_byte_scale, as the KV bytes are."""
+        return self.wan_bandwidth_mbps / self.kv_byte_scale
 
     def datacenter_of(self, process: str) -> str:
         """Where a service runs in two-dc: its fixed place, or the gateway's configured one."""

@@ -101,6 +101,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     g.add_argument("--engine", default=s.engine, choices=("real", "sim"), help=flag_help(ModelConfig, "engine"))
     g.add_argument("--sim-device", default=s.sim_device, help=flag_help(ModelConfig, "sim_device"))
     g.add_argument("--sim-profile", default=s.sim_profile, help=flag_help(ModelConfig, "sim_profile"))
+    g.add_argument("--sim-shape", default=s.sim_shape,
+                   help="--engine sim: serve this model shape (shared/sim_shapes/, e.g. llama-70b, or a config.json) "
+                        "with --model's tokenizer; its KV crosses the sockets and the WAN (docs/sim.md)")
+    g.add_argument("--kv-byte-scale", type=int, default=s.kv_byte_scale,
+                   help="--engine sim: KV carries 1/N of the modelled bytes and the emulator's line rate is "
+                        "--wan-bandwidth-mbps/N, so transfers take the modelled time; tables report carried bytes")
     g.add_argument("--service-flags", dest="service_flags", type=_service_flags, action="append", default=[],
                    metavar="ROLE=FLAGS", help="more flags for one service in every mode, e.g. gateway='--backfill-"
                                               "link-share 0.5'; repeatable; ROLE one of " + ", ".join(SERVICE_ROLES))
@@ -208,7 +214,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                            gateway_datacenter=args.gateway_datacenter,
                            cpu_affinity=tuple(merge_cpu_affinity(args.cpu_affinity).items()),
                            extra_args=_merge_service_flags(args.service_flags), engine=args.engine,
-                           sim_device=args.sim_device, sim_profile=args.sim_profile),
+                           sim_device=args.sim_device, sim_profile=args.sim_profile, sim_shape=args.sim_shape,
+                           kv_byte_scale=args.kv_byte_scale),
         load=LoadOptions(request_rate=args.request_rate, max_concurrency=args.max_concurrency,
                          max_requests=args.max_requests, duration_s=args.duration_s,
                          request_timeout_s=args.request_timeout_s, warmup_requests=args.warmup_requests,

@@ -31,6 +31,8 @@ class StackOptions:
     engine: str = default_of(StackConfig, "engine")  # "sim": P, RLD and MD model their steps (docs/sim.md)
     sim_device: str = default_of(StackConfig, "sim_device")
     sim_profile: str = default_of(StackConfig, "sim_profile")
+    sim_shape: str = default_of(StackConfig, "sim_shape")  # engine sim: a larger model's shape (docs/sim.md)
+    kv_byte_scale: int = default_of(StackConfig, "kv_byte_scale")  # KV bytes and the WAN's line rate divided by it
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,7 @@ def stack_config(mode: Mode, cfg: BenchConfig, log_dir: Path) -> StackConfig:
         "model": s.model, "dtype": s.dtype, "port": 0, "pipeline": pipeline_of(mode), "log_dir": log_dir,
         "chunk_tokens": s.chunk_tokens, "startup_timeout_s": s.startup_timeout_s, "extra_args": extra,
         "cpu_affinity": dict(s.cpu_affinity), "engine": s.engine, "sim_device": s.sim_device,
-        "sim_profile": s.sim_profile}
+        "sim_profile": s.sim_profile, "sim_shape": s.sim_shape, "kv_byte_scale": s.kv_byte_scale}
     if s.torch_threads:
         fields["torch_threads"] = s.torch_threads
     if mode.two_dc:

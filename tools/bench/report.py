@@ -172,6 +172,8 @@ def summary_markdown(results: list[Json], skipped: dict[str, str]) -> str:
                    "sent toward MD for the requests RLD finished alone before it finished, against the KV MD "
                    "lacked of them; then what P sent MD of them in the background afterwards, for MD's DRC "
                    "(the backfill, gateway --backfill-link-share; the emulator's bytes include it)."), ""]
+        if first.get("engine") == "sim":
+            parts += [_sim_note(first), ""]
     parts += ["## Latency and throughput", "", latency_table(results), "",
               "## PDD", "", pdd_table(results), ""]
     if cpu := cpu_table(results):
@@ -190,6 +192,20 @@ def summary_markdown(results: list[Json], skipped: dict[str, str]) -> str:
     if skipped:
         parts += ["## Not run", ""] + [f"- `{mode}`: {reason}" for mode, reason in skipped.items()] + [""]
     return "\n".join(parts)
+
+
+def _sim_note(stack: Json) -> str:
+    """What a simulated run's figures are: which engine timing, which shape, and what its bytes mean."""
+    timing = f"profile {stack['sim_profile']}" if stack.get("sim_profile") else f"{stack.get('sim_device')}'s roofline"
+    note = f"Simulated engine (docs/sim.md), steps timed by {timing}"
+    if stack.get("sim_shape"):
+        note += f", serving the shape {stack['sim_shape']}"
+    scale = stack.get("kv_byte_scale") or 1
+    if scale != 1:
+        note += (f". **KV bytes scaled by 1/{scale}**: every KV byte figure here is a carried byte, the modelled "
+                 f"model's are {scale}× as many, and the emulated WAN ran at 1/{scale} of the line rate given "
+                 "(transfer times are the modelled ones)")
+    return note + "."
 
 
 def write_summary(out_dir: Path, skipped: dict[str, str]) -> Path:

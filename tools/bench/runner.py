@@ -138,7 +138,9 @@ def stack_facts(mode: Mode, cfg: BenchConfig, stack_cfg: StackConfig) -> Json:
             "gateway_datacenter": stack_cfg.gateway_datacenter if mode.two_dc else None,
             "cpu_affinity": {name: list(cores) for name, cores in stack_cfg.cpu_affinity.items()},
             "engine": stack_cfg.engine, "sim_device": stack_cfg.sim_device if stack_cfg.engine == "sim" else None,
-            "sim_profile": stack_cfg.sim_profile if stack_cfg.engine == "sim" else None}
+            "sim_profile": stack_cfg.sim_profile if stack_cfg.engine == "sim" else None,
+            "sim_shape": stack_cfg.sim_shape or None, "kv_byte_scale": stack_cfg.kv_byte_scale,
+            "wan_line_mbps": stack_cfg.wan_line_mbps if mode.two_dc else None}
 
 
 # An idle pooled connection is closed by the client after this long, before any server closes it:
