@@ -5,43 +5,28 @@ leaves the connection whole for the transfers that share it."""
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 import pytest
 import torch
+from kv_helpers import LAYOUT, running_receiver
+from kv_helpers import new_rid as _rid
+from kv_helpers import send_chunks as _transfer
 
 from shared import kv_wire
 from shared.errors import ProtocolError
 from shared.kv_handshake import read_message
 from shared.kv_inbox import KVBuffers
 from shared.kv_receiver import KVReceiver
-from shared.kv_sender import KVSender, OutgoingTransfer
+from shared.kv_sender import KVSender
 from shared.kv_transfer_state import TransferState
-from shared.messages import KVTarget
-from shared.models import KVLayout
-from shared.names import Role
 
-LAYOUT = KVLayout("tiny@abc", num_layers=4, kv_heads=2, head_dim=16)
 TOKEN_BYTES = LAYOUT.bytes_per_token_fp32
-
-
-def _rid() -> str:
-    return "req-" + uuid.uuid4().hex
 
 
 @pytest.fixture
 async def receiver():
-    recv = KVReceiver(LAYOUT, torch.float32)
-    recv.port = await recv.start("127.0.0.1", 0)
-    yield recv
-    await recv.stop()
-
-
-async def _transfer(sender: KVSender, port: int, rid: str, kv: torch.Tensor, chunk: int) -> OutgoingTransfer:
-    transfer = OutgoingTransfer(sender, KVTarget(Role.MAIN, "127.0.0.1", port), rid, queue_chunks=0, deadline_s=10)
-    for start in range(0, kv.shape[3], chunk):
-        await transfer.put(start, kv[:, :, :, start:start + chunk])
-    return transfer
+    async with running_receiver() as recv:
+        yield recv
 
 
 async def _raw_peer(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -87,6 +72,7 @@ def test_the_buffer_pool_hands_out_a_fitting_buffer_and_keeps_its_bound() -> Non
     assert pool.take(100).numel() == 100  # a buffer over twice the need stays for a bigger request
     pool.give(pool.take(2500))
     assert pool.free_bytes <= 3000
+
 
 
 async def test_a_corrupted_payload_fails_the_transfer_and_closes_that_connection(receiver: KVReceiver) -> None:

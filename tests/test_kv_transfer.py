@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 import time
-import uuid
 from typing import Self
 
 import pytest
 import torch
+from kv_helpers import LAYOUT, running_receiver, send_chunks
+from kv_helpers import new_rid as _rid
 
 from shared import kv_wire
 from shared.errors import DeadlineExceeded, IncompatiblePeer, KVUnreachable, ProtocolError, RequestAborted
@@ -19,27 +21,13 @@ from shared.messages import KVTarget
 from shared.models import KVLayout
 from shared.names import Role
 
-LAYOUT = KVLayout("tiny@abc", num_layers=4, kv_heads=2, head_dim=16)
-
-
-def _rid() -> str:
-    return "req-" + uuid.uuid4().hex
+_send = functools.partial(send_chunks, queue_chunks=2, deadline_s=5)  # a bounded queue, a short deadline
 
 
 @pytest.fixture
 async def receiver():
-    recv = KVReceiver(LAYOUT, torch.float32)
-    port = await recv.start("127.0.0.1", 0)
-    recv.port = port
-    yield recv
-    await recv.stop()
-
-
-async def _send(sender: KVSender, port: int, rid: str, kv: torch.Tensor, chunk: int) -> OutgoingTransfer:
-    transfer = OutgoingTransfer(sender, KVTarget(Role.MAIN, "127.0.0.1", port), rid, queue_chunks=2, deadline_s=5)
-    for start in range(0, kv.shape[3], chunk):
-        await transfer.put(start, kv[:, :, :, start:start + chunk])
-    return transfer
+    async with running_receiver() as recv:
+        yield recv
 
 
 async def test_chunks_arrive_complete_and_in_place(receiver: KVReceiver) -> None:
