@@ -20,36 +20,50 @@ from shared.kv_transfer_state import TransferMachine, TransferState
 from shared.models import KVLayout
 
 LINK_SAMPLE_MIN_BYTES = 1024 * 1024  # a smaller transfer can arrive from buffers faster than the link
-BUFFER_POOL_BYTES = 4 * 1024 ** 3  # free destination memory a receiver keeps for the next inboxes
+BUFFER_POOL_BYTES = 4 * 1024 ** 3  # the most free destination memory a receiver keeps for the next inboxes
 SERIAL_COPY_ELEMENTS = 32 * 1024 - 1  # under torch's grain size: a copy this small runs on the calling thread
 
 
 class KVBuffers:
     """Destination memory for inboxes, reused. A fresh allocation's pages are zeroed by the kernel as
     the KV first lands in them (a fifth of a receiver's CPU per byte); a reused buffer's are mapped
-    already. Keeps at most `capacity_bytes` of free buffers, the newest."""
+    already. Keeps free buffers, the newest, up to what its inboxes have held at once (a decoder
+    that only ever receives one prompt at a time keeps about one prompt's worth, whatever sizes came
+    before), and never more than `capacity_bytes`."""
 
     def __init__(self, capacity_bytes: int = BUFFER_POOL_BYTES) -> None:
         self.capacity_bytes = capacity_bytes
+        self.in_use_bytes = 0  # taken and not given back
+        self.peak_in_use_bytes = 0
         self._free: list[torch.Tensor] = []  # flat uint8, oldest first
 
     @property
     def free_bytes(self) -> int:
         return sum(buffer.numel() for buffer in self._free)
 
+    @property
+    def keep_bytes(self) -> int:
+        """The most free memory it keeps now."""
+        return min(self.capacity_bytes, self.peak_in_use_bytes)
+
     def take(self, nbytes: int) -> torch.Tensor:
         """A flat uint8 buffer of at least nbytes, and at most twice that (a big one is kept for a big request)."""
         fits = [i for i, buffer in enumerate(self._free) if nbytes <= buffer.numel() <= 2 * nbytes]
-        if not fits:
-            return torch.empty(nbytes, dtype=torch.uint8)
-        return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))  # by index: == compares tensors
+        if fits:
+            buffer = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))  # by index: == compares tensors
+        else:
+            buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self.in_use_bytes += buffer.numel()
+        self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
+        return buffer
 
     def give(self, buffer: torch.Tensor) -> None:
-        """Keep a buffer nothing uses any more."""
-        if not buffer.numel() or buffer.numel() > self.capacity_bytes:
+        """Keep a buffer `take` gave out and nothing uses any more."""
+        self.in_use_bytes = max(0, self.in_use_bytes - buffer.numel())
+        if not buffer.numel() or buffer.numel() > self.keep_bytes:
             return
         self._free.append(buffer)
-        while self.free_bytes > self.capacity_bytes:
+        while self.free_bytes > self.keep_bytes:
             del self._free[0]
 
 

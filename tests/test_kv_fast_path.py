@@ -74,6 +74,16 @@ def test_the_buffer_pool_hands_out_a_fitting_buffer_and_keeps_its_bound() -> Non
     assert pool.free_bytes <= 3000
 
 
+def test_the_buffer_pool_keeps_no_more_than_its_inboxes_held_at_once() -> None:
+    pool = KVBuffers(capacity_bytes=10_000)
+    for nbytes in (100, 300, 700, 1500):  # one request at a time, each too big for the buffers before it
+        pool.give(pool.take(nbytes))
+    assert pool.free_bytes == 1500 and pool.take(1500).numel() == 1500  # the last, not all four
+    both = [pool.take(1000), pool.take(1000)]
+    for buffer in both:
+        pool.give(buffer)
+    assert pool.free_bytes == 2000  # two at once: both kept for the next two
+
 
 async def test_a_corrupted_payload_fails_the_transfer_and_closes_that_connection(receiver: KVReceiver) -> None:
     rid = _rid()
