@@ -39,6 +39,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -319,12 +320,7 @@ def _raw_receiver_child(pipe: multiprocessing.connection.Connection) -> None:
                     raise ConnectionError("raw sender closed early")
                 share -= got
 
-        threads = [threading.Thread(target=take, args=(sock, share)) for sock, share in
-                   zip(socks, _shares(nbytes, connections), strict=True)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        _each_in_a_thread(take, socks, _shares(nbytes, connections))
         done_at, cpu_s = time.monotonic(), _cpu_s() - cpu0
         for sock in socks:
             sock.close()
@@ -345,16 +341,21 @@ def _raw_sender_child(pipe: multiprocessing.connection.Connection) -> None:
                 share -= min(share, RAW_BUFFER_BYTES)
 
         cpu0, t0 = _cpu_s(), time.monotonic()
-        threads = [threading.Thread(target=give, args=(sock, share)) for sock, share in
-                   zip(socks, _shares(nbytes, connections), strict=True)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        _each_in_a_thread(give, socks, _shares(nbytes, connections))
         cpu_s = _cpu_s() - cpu0
         for sock in socks:
             sock.close()
         pipe.send((t0, cpu_s))
+
+
+def _each_in_a_thread(move: Callable[[socket.socket, int], None], socks: list[socket.socket],
+                      shares: list[int]) -> None:
+    """move(sock, share) for every connection at once, one thread each; returns when all are done."""
+    threads = [threading.Thread(target=move, args=(sock, share)) for sock, share in zip(socks, shares, strict=True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def _shares(nbytes: int, parts: int) -> list[int]:
