@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -213,7 +213,7 @@ async def _get_json(session: aiohttp.ClientSession, url: str) -> dict | None:
         return None
 
 
-async def _poll(probe, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+async def _poll(probe: Callable[[], Awaitable[object]], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if await probe():
