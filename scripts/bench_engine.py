@@ -26,7 +26,7 @@ from shared.batch_engine import BatchEngine  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
 from shared.model_runner import DECODE_ATTENTION_CHOICES, DecodeSequence, ModelRunner  # noqa: E402
 from shared.models import load_model, resolve_model  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
+from shared.sampling_params import SamplingParams  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shared.model_runner import DECODE_ATTENTION_CHOICES, ModelRunner, PackedRow  # noqa: E402
 from shared.models import load_model, resolve_model  # noqa: E402
-from shared.sampling import SamplingParams, sample_tokens  # noqa: E402
+from shared.sampling import sample_tokens  # noqa: E402
+from shared.sampling_params import SamplingParams  # noqa: E402
 
 
 def decode_rows(runner: ModelRunner, batch: int, context_tokens: int, steps: int) -> list:

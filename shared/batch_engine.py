@@ -23,7 +23,8 @@ from shared.config import EngineConfig
 from shared.engine_futures import follow, notify
 from shared.engine_timeline import EngineTimeline
 from shared.errors import BadRequest, KVPreempted, PddError
-from shared.grammar import Constraint, GrammarCompiler, GrammarDiverged, GrammarState
+from shared.grammar import Constraint, GrammarDiverged
+from shared.grammar_masks import GrammarCompiler, GrammarState
 from shared.kv_budget import Admission, KVBudget
 from shared.model_runner import DecodeSequence, ModelRunner, PackedRow, SequenceKV
 from shared.sampling import sample_rows, score_tokens

@@ -29,6 +29,7 @@ import torch
 from shared.errors import IncompatiblePeer, ProtocolError
 from shared.models import KVLayout
 from shared.names import DType
+from shared.request_ids import request_id_bytes
 
 MAGIC = b"PDKV"
 PROTOCOL_VERSION = 4  # 4: the checksum is CRC32C (3: zlib CRC-32; KEEPALIVE frames; no END frame)
@@ -75,11 +76,6 @@ class FrameHeader:
             return 0
         elements = (self.layer_end - self.layer_start) * 2 * self.kv_heads * (self.token_end - self.token_start)
         return elements * self.head_dim * self.dtype.itemsize
-
-
-def request_id_bytes(request_id: str) -> bytes:
-    """Request ids are uuid4 hex strings, optionally with a short 'req-' prefix."""
-    return uuid.UUID(request_id.removeprefix("req-")).bytes
 
 
 def checksum(parts: Sequence[bytes | bytearray | memoryview], crc: int = 0) -> int:

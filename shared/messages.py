@@ -16,7 +16,7 @@ import orjson
 
 from shared.errors import ProtocolError
 from shared.names import HandoffMode, Pipeline, Role
-from shared.sampling import SamplingParams, TokenLogprob
+from shared.sampling_params import SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)

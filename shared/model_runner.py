@@ -25,10 +25,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from shared import cpu_attention
 from shared.cpu_attention import DecodeAttention, KernelUnavailable
 from shared.cpu_linears import adapt_linears
-from shared.sampling import SamplingParams, SamplingRow, TokenLogprob
+from shared.sampling_params import SamplingParams, SamplingRow, TokenLogprob
 
 if TYPE_CHECKING:
-    from shared.grammar import GrammarState
+    from shared.grammar_masks import GrammarState
 
 ATTENTION = "pdd_packed"
 # Rows of up to this many tokens (decode steps, MD's extend of RLD's eager tokens, Catch-Up chunks)

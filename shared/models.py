@@ -20,15 +20,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# tokenizer_config.json names for the plain `tokenizers` tokenizer, which AutoTokenizer maps to that class
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a DTYPE_NAMES name. torch is imported only by the functions that load or
+    build a model, so the gateway, which reads checkpoints' configs and tokenizers, starts without it."""
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def __getattr__(name: str) -> dict[str, torch.dtype]:
+    if name == "DTYPES":  # name -> torch dtype, made when first asked for (see torch_dtype)
+        return {n: torch_dtype(n) for n in DTYPE_NAMES}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def pdd_home() -> Path:
@@ -110,6 +125,7 @@ def ensure_smollm2() -> Path:
 
 
 def _make_smollm2(target: Path) -> None:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting SmolLM2-135M-Instruct from GGUF into %s (once)", target)
@@ -143,6 +159,7 @@ def ensure_tiny() -> Path:
 
 
 def _make_tiny(target: Path) -> None:
+    import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_tokenizer())
@@ -175,6 +192,8 @@ def resolve_model(spec: str) -> Path:
 
 
 def pick_device(device: str) -> torch.device:
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
@@ -183,11 +202,20 @@ def pick_device(device: str) -> torch.device:
 def load_model(path: Path, dtype: str = "float32", device: str = "auto") -> PreTrainedModel:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
     return model.to(pick_device(device)).eval()  # type: ignore[arg-type]  # as in ensure_tiny
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer, as AutoTokenizer gives it. A checkpoint whose tokenizer is the
+    generic `tokenizers` one (all that pdd converts) is loaded as that class directly: AutoTokenizer's
+    module imports torch (through model configs), which the gateway would otherwise load only for this."""
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    if config.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES:
+        from transformers import PreTrainedTokenizerFast  # TokenizersBackend in transformers 5
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)

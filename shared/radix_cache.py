@@ -16,55 +16,19 @@ import dataclasses
 import hashlib
 import heapq
 import itertools
-import struct
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Literal
 
 import torch
 
+from shared.prefix_hashes import PREFIX_HASH_BYTES, hash_prefix, prefix_hashes, token_bytes
+
 TOKEN_DIM = 3  # KV is [layers, 2 (K,V), kv_heads, tokens, head_dim]
-PREFIX_HASH_BYTES = 8
 
 EventKind = Literal["stored", "evicted"]
 INDEX_BLOCK_TOKENS = 16  # the granularity of the gateway's view of a cache (CacheEvent.block_hashes)
-
-
-def _token_bytes(token_ids: Sequence[int]) -> bytes:
-    return struct.pack(f"<{len(token_ids)}q", *token_ids)
-
-
-def hash_prefix(token_ids: Sequence[int]) -> str:
-    """The name of a token prefix in events: blake2b-64 over the ids as little-endian int64, hex.
-
-    Args:
-        token_ids: the whole prefix, from token 0.
-    Returns:
-        16 hex characters. Hashing is streaming, so `prefix_hashes` gives the same values.
-    """
-    return hashlib.blake2b(_token_bytes(token_ids), digest_size=PREFIX_HASH_BYTES).hexdigest()
-
-
-def prefix_hashes(token_ids: Sequence[int], ends: Iterable[int]) -> dict[int, str]:
-    """`hash_prefix(token_ids[:end])` for many ends in one pass (for an index probing a request).
-
-    Args:
-        token_ids: a request's tokens.
-        ends: prefix lengths, each in [0, len(token_ids)].
-    Returns:
-        end -> prefix hash.
-    """
-    h = hashlib.blake2b(digest_size=PREFIX_HASH_BYTES)
-    out: dict[int, str] = {}
-    pos = 0
-    for end in sorted(set(ends)):
-        if not 0 <= end <= len(token_ids):
-            raise ValueError(f"prefix end {end} outside [0, {len(token_ids)}]")
-        h.update(_token_bytes(token_ids[pos:end]))
-        pos = end
-        out[end] = h.copy().hexdigest()
-    return out
 
 
 @dataclass(frozen=True)
@@ -421,7 +385,7 @@ class RadixCache:
             if node is not self._root:
                 _require(node.ref >= sum(c.ref for c in node.children.values()),
                          f"ref {node.ref} at [{node.start}, {node.end}) below its children's")
-                h.update(_token_bytes(node.key))
+                h.update(token_bytes(node.key))
                 _require(len(node.key) > 0, f"empty edge at {node.start}")
                 _require(node.kv is not None and node.kv.shape[TOKEN_DIM] == len(node.key),
                          f"KV length differs from edge length at [{node.start}, {node.end})")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from shared.config import EngineConfig
-from shared.sampling import TokenLogprob
+from shared.sampling_params import TokenLogprob
 
 
 @dataclass(frozen=True)

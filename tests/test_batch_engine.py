@@ -19,7 +19,8 @@ from shared.engine_timeline import read_timeline
 from shared.kv_budget import KVBudgetExceeded
 from shared.model_runner import DecodeSequence, ModelRunner, PackedRow
 from shared.models import load_model
-from shared.sampling import SamplingParams, sample_token, sample_tokens
+from shared.sampling import sample_token, sample_tokens
+from shared.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -505,7 +506,8 @@ def test_decoder_heartbeat_reports_the_kv_budget_and_its_use(tiny_path):
 async def test_a_request_whose_tokens_break_its_grammar_fails_alone(runner, prompts, tiny_path):
     """MD adopting tokens its grammar refuses (the tiers disagree) fails that request with
     grammar_diverged; the request beside it in the same steps finishes, and the engine lives on."""
-    from shared.grammar import GrammarCompiler, GrammarDiverged, constraint_for_response_format
+    from shared.grammar import GrammarDiverged, constraint_for_response_format
+    from shared.grammar_masks import GrammarCompiler
     from shared.models import load_tokenizer
 
     grammars = GrammarCompiler.from_hf(load_tokenizer(tiny_path), runner.config.vocab_size,

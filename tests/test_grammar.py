@@ -15,15 +15,14 @@ import torch
 from shared.grammar import (
     Constraint,
     ConstraintKind,
-    GrammarCompiler,
     GrammarDiverged,
-    GrammarState,
     InvalidConstraint,
     answer_format,
     check_json_schema,
     constraint_for_response_format,
     constraint_for_tool_calls,
 )
+from shared.grammar_masks import GrammarCompiler, GrammarState
 from shared.models import ensure_smollm2_tokenizer, load_tokenizer
 
 PERSON = {
@@ -317,7 +316,7 @@ def test_bad_tool_schemas_name_the_field() -> None:
 
 
 def test_the_gpu_unpacking_agrees_with_the_cpu_one() -> None:
-    from shared.grammar import _unpack, _unpack_with_shifts
+    from shared.grammar_masks import _unpack, _unpack_with_shifts
 
     bitmask = torch.randint(-2**31, 2**31 - 1, (3, 40), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
     on_host = _unpack(bitmask, 1270, torch.device("cpu"))

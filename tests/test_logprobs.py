@@ -12,7 +12,8 @@ from shared.config import EngineConfig
 from shared.messages import TokenChunk
 from shared.model_runner import DecodeSequence, ModelRunner
 from shared.models import load_model, load_tokenizer
-from shared.sampling import MIN_LOGPROB, SamplingParams, SamplingRow, TokenLogprob, sample_rows
+from shared.sampling import MIN_LOGPROB, sample_rows
+from shared.sampling_params import SamplingParams, SamplingRow, TokenLogprob
 
 
 def test_logprobs_come_from_the_raw_logits_before_any_option() -> None:

@@ -18,7 +18,7 @@ from shared.messages import (
     TokenChunk,
 )
 from shared.names import HandoffMode, Pipeline, Role
-from shared.sampling import SamplingParams
+from shared.sampling_params import SamplingParams
 
 
 def assign(**fields: object) -> DecodeAssign:
@@ -101,7 +101,7 @@ def test_the_decoders_kv_budget_from_their_heartbeats_caps_a_default_max_tokens(
     from services.gateway.routing.dispatcher import fit_kv_budget
     from services.gateway.routing.registry import Instance
     from services.gateway.run.attempt import GenerationRequest
-    from shared.sampling import SamplingParams
+    from shared.sampling_params import SamplingParams
 
     def decoder(budget: int) -> Instance:
         return Instance(Heartbeat(Role.MAIN, f"md-{budget}", "127.0.0.1", 1, "tiny", 0, 0, 1.0,

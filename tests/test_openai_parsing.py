@@ -47,7 +47,7 @@ from shared.errors import (
 from shared.messages import HandoffStats
 from shared.metrics import GatewayMetrics
 from shared.models import load_tokenizer, resolve_model
-from shared.sampling import TokenLogprob
+from shared.sampling_params import TokenLogprob
 
 MODEL = "tiny-llama"
 CONTEXT = 2048

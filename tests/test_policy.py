@@ -260,7 +260,7 @@ def test_each_tier_step_is_the_median_gap_between_its_tokens() -> None:
     telemetry = CostModel()
     assert telemetry.step_s("relay") is None
     from services.gateway.run.attempt import Attempt, GenerationRequest
-    from shared.sampling import SamplingParams
+    from shared.sampling_params import SamplingParams
 
     def attempt() -> Attempt:  # each attempt keeps when its tiers' last tokens came
         req = GenerationRequest("req-" + "0" * 32, [1, 2], SamplingParams(max_tokens=8), None, None, 0.0)
@@ -372,7 +372,7 @@ async def test_p_is_asked_to_cache_a_running_answer_every_step_but_the_last() ->
     from services.gateway.run.request_run import RequestRun
     from shared.config import CommonConfig, GatewayConfig
     from shared.messages import TokenChunk
-    from shared.sampling import SamplingParams
+    from shared.sampling_params import SamplingParams
 
     config = GatewayConfig(common=CommonConfig("nats://127.0.0.1:4222", "gw", "INFO", "", 1.0), model="tiny",
                            host="127.0.0.1", port=0, default_pipeline="auto", request_timeout_s=10.0,

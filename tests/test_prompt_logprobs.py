@@ -22,7 +22,7 @@ from shared.messages import PrefillDone, PromptLogprobs, TokenChunk
 from shared.model_runner import DecodeSequence, ModelRunner
 from shared.models import load_model
 from shared.names import Pipeline, Role
-from shared.sampling import SamplingParams, TokenLogprob
+from shared.sampling_params import SamplingParams, TokenLogprob
 
 TOLERANCE = 1e-4
 

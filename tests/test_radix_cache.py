@@ -10,7 +10,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from shared.radix_cache import CacheEvent, PrefixHandle, RadixCache, hash_prefix, prefix_hashes
+from shared.prefix_hashes import hash_prefix, prefix_hashes
+from shared.radix_cache import CacheEvent, PrefixHandle, RadixCache
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 4
 BYTES_PER_TOKEN = LAYERS * 2 * HEADS * HEAD_DIM * 4  # float32

@@ -17,7 +17,7 @@ from shared.config import HandoffConfig
 from shared.errors import RequestAborted
 from shared.messages import DecodeAssign, Handoff, MainLost, RequestFailed
 from shared.names import HandoffMode
-from shared.sampling import SamplingParams
+from shared.sampling_params import SamplingParams
 
 
 class StandInIO:

@@ -21,7 +21,7 @@ from shared.messages import (
     TokenChunk,
 )
 from shared.names import HandoffMode, Pipeline, Role
-from shared.sampling import SamplingParams
+from shared.sampling_params import SamplingParams
 
 CONFIG = GatewayConfig(
     common=CommonConfig("nats://127.0.0.1:4222", "gateway-test", "INFO", "", 1.0), model="tiny",

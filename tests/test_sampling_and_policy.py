@@ -6,7 +6,8 @@ import torch
 
 from services.relay.handoff import HandoffMode, HandoffPlan, Step, choose_mode
 from shared.errors import BadRequest
-from shared.sampling import SamplingParams, sample_token, sample_tokens
+from shared.sampling import sample_token, sample_tokens
+from shared.sampling_params import SamplingParams
 
 
 def test_sampled_token_depends_only_on_seed_and_index() -> None:

@@ -8,7 +8,8 @@ import torch
 
 from shared.errors import BadRequest
 from shared.model_runner import DecodeSequence
-from shared.sampling import SamplingParams, SamplingRow, apply_options, sample_rows
+from shared.sampling import apply_options, sample_rows
+from shared.sampling_params import SamplingParams, SamplingRow
 
 
 def test_penalties_follow_vllms_definitions() -> None:

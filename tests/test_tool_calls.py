@@ -22,7 +22,8 @@ from services.gateway.http.tool_calls import (
     template_takes_tools,
 )
 from shared.errors import BadRequest
-from shared.grammar import ConstraintKind, GrammarCompiler, answer_format
+from shared.grammar import ConstraintKind, answer_format
+from shared.grammar_masks import GrammarCompiler
 from shared.models import ensure_smollm2_tokenizer, load_tokenizer
 
 WEATHER = {"type": "function", "function": {

@@ -22,7 +22,7 @@ from shared import bus, messages, subjects, tracing
 from shared.batch_engine import BatchEngine
 from shared.config import DecoderConfig, read_secret
 from shared.errors import DeadlineExceeded, PddError
-from shared.grammar import GrammarCompiler
+from shared.grammar_masks import GrammarCompiler
 from shared.kv_receiver import KVReceiver
 from shared.kv_wire import DTYPE_NAMES
 from shared.messages import (

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.batch_engine import BatchEngine, Scoring
-from shared.sampling import TokenLogprob
+from shared.sampling_params import TokenLogprob
 
 
 def chunk_ranges(n_tokens: int, chunk_tokens: int, start: int = 0) -> list[tuple[int, int]]:

@@ -17,8 +17,8 @@ from services.gateway.http.logprob_shapes import Logprobs
 from services.gateway.http.response_shapes import Shapes, usage
 from services.gateway.http.tool_deltas import ToolDeltas
 from services.gateway.run.attempt import GenerationRequest
-from services.gateway.run.request_run import new_request_id
-from shared.sampling import choice_seed
+from shared.request_ids import new_request_id
+from shared.sampling_params import choice_seed
 
 if TYPE_CHECKING:
     from aiohttp import web

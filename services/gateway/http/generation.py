@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from services.gateway.run.request_run import RequestRun, TokenEvent
     from shared.config import GatewayConfig
     from shared.messages import HandoffStats
-    from shared.sampling import TokenLogprob
+    from shared.sampling_params import TokenLogprob
 
 Json = dict[str, object]
 

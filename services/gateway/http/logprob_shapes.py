@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from services.gateway.http.detokenizer import TokenStrings
     from services.gateway.http.generation import Step
-    from shared.sampling import TokenLogprob
+    from shared.sampling_params import TokenLogprob
 
 Json = dict[str, object]
 

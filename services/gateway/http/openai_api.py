@@ -37,8 +37,8 @@ from services.gateway.http.request_parsing import (
 from services.gateway.http.response_shapes import SYSTEM_FINGERPRINT, Shapes
 from services.gateway.http.responses_api import AnswerWriter, ResponsesAPI
 from services.gateway.observe.request_telemetry import STARTED_AT, RequestTelemetry
-from services.gateway.run.request_run import new_request_id
 from shared.metrics import GatewayMetrics
+from shared.request_ids import new_request_id
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -18,8 +18,8 @@ from aiohttp import web
 from services.gateway.http.admission import ClientLeft
 from services.gateway.http.client_watch import ClientWatch, client_gone
 from services.gateway.run.attempt import GenerationRequest
-from services.gateway.run.request_run import new_request_id
 from shared.errors import ProtocolError, RequestAborted
+from shared.request_ids import new_request_id
 
 if TYPE_CHECKING:
     from services.gateway.http.detokenizer import TokenStrings
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from services.gateway.observe.request_telemetry import RequestTelemetry
     from services.gateway.routing.dispatcher import Dispatcher
     from services.gateway.run.request_run import RequestRun
-    from shared.sampling import TokenLogprob
+    from shared.sampling_params import TokenLogprob
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from shared.config import GatewayConfig
 from shared.errors import BadRequest, InvalidParam
 from shared.grammar import AnswerFormat, Constraint, answer_format
 from shared.names import FailurePolicy, HandoffMode, Pipeline, choices
-from shared.sampling import MAX_LOGPROBS, SamplingParams
+from shared.sampling_params import MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

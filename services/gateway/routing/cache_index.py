@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from shared.radix_cache import prefix_hashes
+from shared.prefix_hashes import prefix_hashes
 
 
 class CacheIndex:

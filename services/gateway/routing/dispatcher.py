@@ -30,7 +30,7 @@ from services.gateway.routing.registry import Instance, InstanceRegistry, NoLive
 from services.gateway.run.attempt import Attempt, GenerationRequest
 from services.gateway.run.outcome import CloseReason, LossKind
 from services.gateway.run.recovery import Action
-from services.gateway.run.request_run import RequestRun, new_request_id
+from services.gateway.run.request_run import RequestRun
 from shared import bus, messages, subjects, tracing
 from shared.config import GatewayConfig
 from shared.errors import BadRequest, DeadlineExceeded, InvalidParam, PddError, PeerGone
@@ -51,6 +51,7 @@ from shared.messages import (
 )
 from shared.metrics import GatewayMetrics
 from shared.names import AbortReason, Pipeline, Role
+from shared.request_ids import new_request_id
 
 log = logging.getLogger(__name__)
 Accepted = TypeVar("Accepted", PrefillAccepted, DecodeAccepted)

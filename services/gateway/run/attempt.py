@@ -26,11 +26,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from shared.kv_wire import request_id_bytes
 from shared.lifecycle import checked_move
 from shared.messages import PrefillDone
 from shared.names import FailurePolicy, HandoffMode, Pipeline, Role
-from shared.sampling import SamplingParams
+from shared.request_ids import request_id_bytes
+from shared.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from services.gateway.routing.policy import PipelineDecision, RelayWatch

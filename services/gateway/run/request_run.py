@@ -37,7 +37,6 @@ import dataclasses
 import enum
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -70,21 +69,17 @@ from shared.messages import (
     TokenChunk,
 )
 from shared.names import FailurePolicy, HandoffMode, Pipeline, Role
-from shared.sampling import TokenLogprob
+from shared.request_ids import new_request_id
+from shared.sampling_params import TokenLogprob
 
 if TYPE_CHECKING:
     from services.gateway.routing.policy import PipelineDecision
 
-__all__ = ["Attempt", "GenerationRequest", "RequestRun", "RunHost", "RunPhase", "TokenEvent", "new_request_id"]
+__all__ = ["Attempt", "GenerationRequest", "RequestRun", "RunHost", "RunPhase", "TokenEvent"]
 
 log = logging.getLogger(__name__)
 
 WATCHDOG_S = 0.25  # how often a request checks that its instances are still alive
-
-
-def new_request_id() -> str:
-    """A request's (or a migration attempt's) id: the KV wire carries it as a UUID."""
-    return f"req-{uuid.uuid4().hex}"
 
 
 @dataclass(frozen=True)
