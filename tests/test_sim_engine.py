@@ -9,6 +9,8 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import subprocess
+import sys
 import time
 from contextlib import contextmanager
 
@@ -34,7 +36,7 @@ from shared.step_timing import (
     timing_for,
 )
 from tools.api_client import stream_completion
-from tools.bench import cli, report
+from tools.bench import cli, cpu, fidelity, report
 from tools.bench.modes import MODES, stack_config
 from tools.stack_config import MD_KV_ROUTE, StackConfig
 
@@ -143,6 +145,38 @@ def test_pdd_bench_runs_every_mode_on_the_sim_and_says_its_bytes_are_scaled(tmp_
         assert not MODES[mode].two_dc or stack.wan_line_mbps == 10_000 / SCALE
     note = report._sim_note({"engine": "sim", "sim_profile": "smollm2-cpu", "kv_byte_scale": SCALE})
     assert "profile smollm2-cpu" in note and f"scaled by 1/{SCALE}" in note
+
+
+def test_the_bench_counts_a_processs_cpu_seconds_with_its_children():
+    burn = "import sys, time\nwhile time.process_time() < 0.2: pass\nprint(flush=True)\nsys.stdin.read()"
+    shell = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', "
+                              f"{burn!r}])"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        shell.stdout.readline()  # the grandchild has burnt its 0.2 s
+        used = cpu.cpu_seconds({"shell": shell.pid})
+        assert used["shell"] >= 0.2 and cpu.CLIENT in used
+        assert cpu.used_between({"shell": 5.0}, used)["shell"] == round(used["shell"], 3), "a restart counts from 0"
+    finally:
+        shell.communicate(b"", timeout=30)
+
+
+def fidelity_run(ttft_ms: float, tpot_ms: float, pipelines: dict[str, int]) -> dict:
+    return {"workload": {"name": "sessions"}, "mode": "pdd", "cpu_s": {"main": 10.0},
+            "requests": [{"sent_at": 100.0, "e2e_s": 10.0}],
+            "metrics": {"duration_s": 10.0, "ttft_ms": {"mean": ttft_ms, "p90": ttft_ms}, "tpot_ms": {"mean": tpot_ms},
+                        "itl_ms": {"median": tpot_ms}, "pdd": {"pipelines": pipelines, "relay_token_share": 0.06}}}
+
+
+def test_the_fidelity_table_joins_real_and_sim_runs_and_counts_what_is_within_tolerance(tmp_path):
+    real = {("sessions", "pdd"): fidelity_run(1000, 100, {"p-rld-md": 16})}
+    sim = {("sessions", "pdd"): fidelity_run(800, 95, {"p-rld-md": 16})}
+    table, within, cells = fidelity.fidelity_table(real, sim, tolerance=0.15)
+    assert (within, cells) == (1, 3), "TTFT mean and P90 are 20 % off, TPOT 5 %"
+    assert "1,000 / 800 (**-20 %**)" in table and "100 / 95 (-5 %)" in table and "p-rld-md 16" in table
+    steps = [{"kind": "step", "t_ns": int(105e9), "end_ns": int(105e9) + 120_000_000, "cpu_ns": 100_000_000},
+             {"kind": "step", "t_ns": int(200e9), "end_ns": int(200e9) + 500_000_000, "cpu_ns": 100_000_000}]
+    (tmp_path / "main.jsonl").write_text("".join(json.dumps(e) + "\n" for e in steps))
+    assert "1, 0.1 / 0.1 s = 1.20" in fidelity.step_waits(real, [tmp_path / "main.jsonl"]), "only the run's window"
 
 
 @pytest.fixture(scope="module")
