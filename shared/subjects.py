@@ -52,18 +52,28 @@ def handoff(main_instance_id: str) -> str:
 
 
 def request_events(request_id: str) -> str:
-    """Every tier publishes a request's tokens, stats and errors here; the gateway listens."""
-    return f"{PREFIX}.req.{request_id}"
+    """Every tier publishes a request's tokens, stats and errors here; the gateway that made the
+    request listens. The subject carries the id's event shard, which each gateway makes its own, so
+    a gateway hears its own requests' events, not every gateway's."""
+    return f"{PREFIX}.req.{event_shard(request_id)}.{request_id}"
 
 
-def request_events_all() -> str:
-    """The gateway's one subscription to every request's events, made at its start."""
-    return f"{PREFIX}.req.*"
+EVENT_SHARD_DIGITS = 8
+
+
+def event_shard(request_id: str) -> str:
+    """The first hex digits of the id's UUID: a gateway puts its own there (new_request_id)."""
+    return request_id.removeprefix("req-")[:EVENT_SHARD_DIGITS].split(".")[0] or "_"
+
+
+def request_events_of_shard(shard: str) -> str:
+    """A gateway's one subscription to the events of every request it makes, made at its start."""
+    return f"{PREFIX}.req.{shard}.*"
 
 
 def request_id_of_events(subject: str) -> str:
     """The request whose events subject this is (the inverse of request_events)."""
-    return subject.removeprefix(f"{PREFIX}.req.")
+    return subject.split(".", 3)[3]
 
 
 def cache_events(instance_id: str) -> str:

@@ -51,7 +51,7 @@ from shared.messages import (
 )
 from shared.metrics import GatewayMetrics
 from shared.names import AbortReason, Pipeline, Role
-from shared.request_ids import new_request_id
+from shared.request_ids import EVENT_SHARD, new_request_id
 
 log = logging.getLogger(__name__)
 Accepted = TypeVar("Accepted", PrefillAccepted, DecodeAccepted)
@@ -75,19 +75,21 @@ class Dispatcher:
         self.active: dict[str, tuple[Attempt, RequestRun]] = {}
 
     async def listen(self) -> None:
-        """Hear every request's events through one subscription, made before any request is dispatched.
+        """Hear this gateway's requests' events (those whose ids carry its EVENT_SHARD) through one
+        subscription, made before any request is dispatched. Not every gateway's: with G gateways
+        each would receive and drop G-1 of every G events (docs/scale.md).
 
         A subscription per request, made just before its DecodeAssign, loses a race across the NATS
         gateway link: its interest reaches datacenter B on another connection than the assign, and
         an MD that decodes at once (its DRC holds the whole prompt) publishes before B knows that
         anyone listens, so NATS drops its tokens without a word (issue 16)."""
-        await self.nc.subscribe(subjects.request_events_all(), cb=self._on_request_event)
+        await self.nc.subscribe(subjects.request_events_of_shard(EVENT_SHARD), cb=self._on_request_event)
         await self.nc.flush()
 
     async def _on_request_event(self, msg: Msg) -> None:
         request_id = subjects.request_id_of_events(msg.subject)
         entry = self.active.get(request_id)
-        if entry is None:  # a late event of an attempt let go, or another gateway's request
+        if entry is None:  # a late event of an attempt let go
             return
         attempt, run = entry
         try:
