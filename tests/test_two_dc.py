@@ -40,7 +40,7 @@ from tools.stack_config import (
 from wan.emulator import WanStats
 
 from conftest import reference_generate
-from helpers import complete, process_alive, stack_config
+from helpers import RESTART_TIMEOUT_S, complete, process_alive, stack_config
 
 STARTUP_TIMEOUT_S = 150.0
 CHUNK_TOKENS = 64
@@ -83,7 +83,7 @@ def route_bytes(stats: WanStats, route: str, direction: str) -> int:
     return stats["routes"][route][direction]["bytes"]  # type: ignore[literal-required]
 
 
-async def heartbeat_stats(nats_url: str, after: float) -> dict[str, dict[str, float]]:
+async def heartbeat_stats(nats_url: str, after: float, timeout_s: float = 15.0) -> dict[str, dict[str, float]]:
     """Each role's heartbeat `stats`, from beats sent after `after` (wall clock), seen from A."""
     nc = await bus.connect(nats_url, "test-two-dc-heartbeats")
     seen: dict[str, dict[str, float]] = {}
@@ -95,7 +95,7 @@ async def heartbeat_stats(nats_url: str, after: float) -> dict[str, dict[str, fl
 
     try:
         await nc.subscribe(subjects.heartbeat_all(), cb=on_beat)
-        async with asyncio.timeout(15):
+        async with asyncio.timeout(timeout_s):
             while set(seen) != {"prefill", "relay", "main"}:
                 await asyncio.sleep(0.05)
     finally:
@@ -425,7 +425,8 @@ async def test_bf16_on_the_wire_halves_the_kv_bytes_and_changes_no_token(
         mixed_stack: LocalStack, session: aiohttp.ClientSession, mixed_generate: Generate) -> None:
     restarted_at = time.time()
     await mixed_stack.restart("prefill", ["--kv-wire-dtype", "bfloat16"])
-    await heartbeat_stats(mixed_stack.nats_url, restarted_at + 0.5)  # the new P is subscribed and beating
+    # the new P is subscribed and beating (it imports torch afresh: long on a loaded machine)
+    await heartbeat_stats(mixed_stack.nats_url, restarted_at + 0.5, RESTART_TIMEOUT_S)
     for prompt in mixed_prompts(4):
         result = await complete(session, mixed_stack, prompt, MIXED_TOKENS, pipeline="p-md")
         assert result.token_ids == mixed_generate(prompt, MIXED_TOKENS), f"prompt of {len(prompt)} tokens"
