@@ -85,6 +85,13 @@ def cache_events_all() -> str:
     return f"{PREFIX}.cache.*"
 
 
-def abort() -> str:
-    """Broadcast: every instance drops what it holds for the named request."""
-    return f"{PREFIX}.abort"
+def abort(instance_id: str) -> str:
+    """The instance drops what it holds for the named request. The gateway sends one to each instance
+    of the request (and again to one that still holds it, from its heartbeat), not one to every
+    instance: a broadcast costs every instance a message per request (docs/scale.md)."""
+    return f"{PREFIX}.abort.{instance_id}"
+
+
+def abort_all() -> str:
+    """Every instance's abort subject, for watching them (tests, tools)."""
+    return f"{PREFIX}.abort.*"

@@ -114,7 +114,7 @@ async def test_a_client_gone_before_its_first_token_is_aborted_within_a_second(s
         abort = messages.decode_as(msg.data, messages.Abort)
         aborts.setdefault(abort.request_id, (abort.reason, time.monotonic()))
 
-    await nc.subscribe(subjects.abort(), cb=on_abort)
+    await nc.subscribe(subjects.abort_all(), cb=on_abort)
     try:
         # MD's KV is held back 20 s: no first token comes while the client is there.
         body = {"prompt": random_prompt(7, 40), "max_tokens": 8, "stream": True,

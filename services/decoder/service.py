@@ -83,7 +83,7 @@ class DecoderService:
                  self.config.advertise_host, self.advertise_port)
         self.nc = await bus.connect(self.config.common.nats_url, self.instance_id, self.config.common.nats_auth)
         await self.nc.subscribe(subjects.decode_assign(self.name, self.instance_id), cb=self._on_assign)
-        await self.nc.subscribe(subjects.abort(), cb=self._on_abort)
+        await self.nc.subscribe(subjects.abort(self.instance_id), cb=self._on_abort)
         await self.role.subscribe(self)
         self._tasks.add(asyncio.create_task(
             heartbeat_loop(self.nc, self.name, self.config.common.heartbeat_s, self._describe,

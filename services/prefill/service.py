@@ -91,7 +91,7 @@ class PrefillService:
                                             self.config.common.metrics_port)
         self.nc = await bus.connect(self.config.common.nats_url, self.instance_id, self.config.common.nats_auth)
         await self.nc.subscribe(subjects.prefill(self.instance_id), cb=self._on_prefill)
-        await self.nc.subscribe(subjects.abort(), cb=self._on_abort)
+        await self.nc.subscribe(subjects.abort(self.instance_id), cb=self._on_abort)
         await self.nc.subscribe(subjects.release_kv(self.instance_id), cb=self._on_release)
         self._tasks.add(asyncio.create_task(
             heartbeat_loop(self.nc, ROLE, self.config.common.heartbeat_s, self._describe,

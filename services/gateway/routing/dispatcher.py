@@ -307,10 +307,12 @@ class Dispatcher:
             backfill_bytes_per_s = self._backfill_bytes_per_s(attempt)
         for instance_id in attempt.instances.values():
             self.registry.done(instance_id)
-        try:
-            await bus.publish(self.nc, subjects.abort(), Abort(attempt.request_id, abort_reason, backfill_bytes_per_s))
-        except Exception as exc:  # the tiers' own deadlines still free the attempt
-            log.warning("%s: abort not broadcast: %s", attempt.request_id, exc)
+        abort = Abort(attempt.request_id, abort_reason, backfill_bytes_per_s)
+        for instance_id in dict.fromkeys(attempt.instances.values()):  # one per instance, even colocated roles
+            try:
+                await bus.publish(self.nc, subjects.abort(instance_id), abort)
+            except Exception as exc:  # its heartbeat's `held` brings the Abort again (abort_orphans)
+                log.warning("%s: abort not sent to %s: %s", attempt.request_id, instance_id, exc)
 
     def _backfill_bytes_per_s(self, attempt: Attempt) -> float:
         """The pace of MD's KV for a request RLD finished alone: a share of the link rate the
@@ -325,16 +327,18 @@ class Dispatcher:
     async def abort_orphans(self, heartbeat: Heartbeat) -> None:
         """Abort again what an instance still holds for this gateway but the gateway let go.
 
-        An Abort is a NATS broadcast; one sent while the WAN link was down never reached MD, which
-        would hold the request (its KV, its inbox) until its own deadline. Its heartbeats list what
-        it holds, per owner, so the next one after the link heals brings the Abort again. An Abort
-        is idempotent: one for a request that is ending anyway changes nothing.
+        An Abort is a NATS message to each of the request's instances; one sent while the WAN link was
+        down never reached MD, which would hold the request (its KV, its inbox) until its own deadline.
+        Its heartbeats list what it holds, per owner, so the next one after the link heals brings the
+        Abort again; so does one for a request an instance registered after the gateway let it go (a
+        DecodeAssign handled after a failed dispatch's Abort). An Abort is idempotent: one for a
+        request that is ending anyway changes nothing.
         """
         orphans = [rid for rid in heartbeat.held.get(self.config.common.instance_id, ()) if rid not in self.active]
         for request_id in orphans:
             log.warning("%s still holds %s, which this gateway let go: aborting it again",
                         heartbeat.instance_id, request_id)
-            await bus.publish(self.nc, subjects.abort(), Abort(request_id, "orphaned"))
+            await bus.publish(self.nc, subjects.abort(heartbeat.instance_id), Abort(request_id, "orphaned"))
 
     async def _call(self, role: Role, instance: Instance, msg: PrefillRequest | DecodeAssign,
                     reply_type: type[Accepted], headers: dict[str, str]) -> Accepted:
