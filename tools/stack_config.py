@@ -9,6 +9,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from shared.config import CommonConfig, GatewayConfig, ModelConfig, PrefillConfig, default_of, flag_help
 from shared.names import AUTO, DType, Pipeline, Role, choices
@@ -112,16 +113,7 @@ class StackConfig:
         parser.add_argument("--model", default=d.model, help=flag_help(ModelConfig, "model"))
         parser.add_argument("--dtype", default=d.dtype, choices=choices(DType))
         parser.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:N")
-        parser.add_argument("--engine", default=d.engine, choices=("real", "sim"),
-                            help=flag_help(ModelConfig, "engine"))
-        parser.add_argument("--sim-device", default=d.sim_device, help=flag_help(ModelConfig, "sim_device"))
-        parser.add_argument("--sim-profile", default=d.sim_profile, help=flag_help(ModelConfig, "sim_profile"))
-        parser.add_argument("--sim-shape", default=d.sim_shape,
-                            help="--engine sim: serve this model shape (a name in shared/sim_shapes/, e.g. llama-70b, "
-                                 "or a config.json) with --model's tokenizer; its KV crosses the sockets (docs/sim.md)")
-        parser.add_argument("--kv-byte-scale", type=int, default=d.kv_byte_scale,
-                            help="--engine sim: KV carries 1/N of the modelled bytes per token and the WAN's line "
-                                 "rate is --wan-bandwidth-mbps/N, so transfers take the modelled time (default 1)")
+        add_engine_arguments(parser, d)
         parser.add_argument("--host", default=d.host, help="address the gateway binds")
         parser.add_argument("--port", type=int, default=d.port, help="gateway port; 0 picks a free one")
         parser.add_argument("--pipeline", default=d.pipeline, choices=choices(Pipeline.requestable(), AUTO),
@@ -267,3 +259,33 @@ def port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+class EngineDefaults(Protocol):
+    """What add_engine_arguments takes its defaults from: a StackConfig or pdd bench's StackOptions."""
+
+    @property
+    def engine(self) -> str: ...
+    @property
+    def sim_device(self) -> str: ...
+    @property
+    def sim_profile(self) -> str: ...
+    @property
+    def sim_shape(self) -> str: ...
+    @property
+    def kv_byte_scale(self) -> int: ...
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, d: EngineDefaults) -> None:
+    """--engine and the simulated engine's flags (docs/sim.md), for every command that starts stacks."""
+    parser.add_argument("--engine", default=d.engine, choices=("real", "sim"), help=flag_help(ModelConfig, "engine"))
+    parser.add_argument("--sim-device", default=d.sim_device, help=flag_help(ModelConfig, "sim_device"))
+    parser.add_argument("--sim-profile", default=d.sim_profile, help=flag_help(ModelConfig, "sim_profile"))
+    parser.add_argument("--sim-shape", default=d.sim_shape,
+                        help="--engine sim: serve this model shape (a name in shared/sim_shapes/, e.g. llama-70b, "
+                             "or a config.json) with --model's tokenizer; its KV crosses the sockets and the WAN "
+                             "(docs/sim.md)")
+    parser.add_argument("--kv-byte-scale", type=int, default=d.kv_byte_scale,
+                        help="--engine sim: KV carries 1/N of the modelled bytes per token and the WAN's line rate "
+                             "is --wan-bandwidth-mbps/N, so transfers take the modelled time; tables report the "
+                             "bytes carried (default 1)")

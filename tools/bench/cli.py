@@ -31,7 +31,13 @@ from tools.bench.config import (
 )
 from tools.bench.modes import MODES, NOT_AVAILABLE
 from tools.bench.runner import RunResult, run_bench, skipped_modes
-from tools.stack_config import DATACENTERS, StackError, merge_cpu_affinity, parse_cpu_affinity
+from tools.stack_config import (
+    DATACENTERS,
+    StackError,
+    add_engine_arguments,
+    merge_cpu_affinity,
+    parse_cpu_affinity,
+)
 
 ALL_MODES = (*MODES, *NOT_AVAILABLE)
 
@@ -98,15 +104,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     g.add_argument("--cpus", dest="cpu_affinity", type=parse_cpu_affinity, action="append", default=[],
                    metavar="NAME[,NAME]=CORES", help="pin processes to cores in every mode, e.g. prefill=0 "
                                                      "--cpus relay,main=1 (as pdd up); default: unpinned")
-    g.add_argument("--engine", default=s.engine, choices=("real", "sim"), help=flag_help(ModelConfig, "engine"))
-    g.add_argument("--sim-device", default=s.sim_device, help=flag_help(ModelConfig, "sim_device"))
-    g.add_argument("--sim-profile", default=s.sim_profile, help=flag_help(ModelConfig, "sim_profile"))
-    g.add_argument("--sim-shape", default=s.sim_shape,
-                   help="--engine sim: serve this model shape (shared/sim_shapes/, e.g. llama-70b, or a config.json) "
-                        "with --model's tokenizer; its KV crosses the sockets and the WAN (docs/sim.md)")
-    g.add_argument("--kv-byte-scale", type=int, default=s.kv_byte_scale,
-                   help="--engine sim: KV carries 1/N of the modelled bytes and the emulator's line rate is "
-                        "--wan-bandwidth-mbps/N, so transfers take the modelled time; tables report carried bytes")
+    add_engine_arguments(g, s)
     g.add_argument("--service-flags", dest="service_flags", type=_service_flags, action="append", default=[],
                    metavar="ROLE=FLAGS", help="more flags for one service in every mode, e.g. gateway='--backfill-"
                                               "link-share 0.5'; repeatable; ROLE one of " + ", ".join(SERVICE_ROLES))
