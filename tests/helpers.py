@@ -1,6 +1,6 @@
-"""Helpers shared by the end-to-end tests: the stack a module runs on (conftest's `stack` fixture
-starts it), a streamed completion, deterministic prompts, fresh heartbeats, and a role restarted
-with code of a test's put into its process."""
+"""Helpers shared by the tests: the stack a module runs on (conftest's `stack` fixture starts it), a
+streamed completion, deterministic prompts, fresh heartbeats, a role restarted with code of a
+test's put into its process, and a batch engine over a runner in the test's own process."""
 from __future__ import annotations
 
 import asyncio
@@ -8,11 +8,15 @@ import contextlib
 import os
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
 
 from shared import bus, messages, subjects
+from shared.batch_engine import BatchEngine
+from shared.config import EngineConfig
+from shared.model_runner import ModelRunner
 from tools.api_client import StreamResult, stream_completion
 from tools.launcher import LocalStack
 from tools.stack_config import StackConfig
@@ -147,3 +151,13 @@ async def restart_patched(stack, role: str, sitecustomize: str, directory: Path,
     monkeypatch.undo()  # only the restarted role gets it
     await fresh_heartbeats(stack.nats_url, timeout_s=RESTART_TIMEOUT_S)
     await asyncio.sleep(1.0)
+
+
+@contextlib.contextmanager
+def engine_with(runner: ModelRunner, **config: object) -> Iterator[BatchEngine]:
+    """A BatchEngine over `runner` (a real model's or the sim's) with EngineConfig(**config), shut down after."""
+    engine = BatchEngine(runner, EngineConfig(**config), name="test")
+    try:
+        yield engine
+    finally:
+        engine.shutdown()

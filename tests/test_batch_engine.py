@@ -22,6 +22,8 @@ from shared.models import load_model
 from shared.sampling import sample_token, sample_tokens
 from shared.sampling_params import SamplingParams
 
+from helpers import engine_with
+
 
 @pytest.fixture(scope="module")
 def runner(tiny_path) -> ModelRunner:
@@ -32,15 +34,6 @@ def runner(tiny_path) -> ModelRunner:
 def prompts(runner) -> list[list[int]]:
     rng = random.Random(7)
     return [[rng.randrange(runner.config.vocab_size) for _ in range(n)] for n in (2, 5, 13, 31, 8, 57, 20, 3)]
-
-
-@contextmanager
-def engine_with(runner: ModelRunner, **config):
-    engine = BatchEngine(runner, EngineConfig(**config), name="test")
-    try:
-        yield engine
-    finally:
-        engine.shutdown()
 
 
 def prompt_kv(runner: ModelRunner, prompt_ids: list[int]) -> list[torch.Tensor]:

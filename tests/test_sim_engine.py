@@ -12,17 +12,16 @@ import json
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 
 import jsonschema
 import pytest
 import torch
 
 from shared.batch_engine import BatchEngine
-from shared.config import EngineConfig, ModelConfig
+from shared.config import ModelConfig
 from shared.model_runner import DecodeSequence
 from shared.models import kv_layout, load_tokenizer
-from shared.sampling import SamplingParams
+from shared.sampling_params import SamplingParams
 from shared.sim_checkpoint import carried_kv, load_shape, sim_checkpoint
 from shared.sim_runner import SimRunner, build_runner, next_token
 from shared.step_timing import (
@@ -40,7 +39,7 @@ from tools.bench import cli, cpu, fidelity, report
 from tools.bench.modes import MODES, stack_config
 from tools.stack_config import MD_KV_ROUTE, StackConfig
 
-from helpers import complete, fresh_heartbeats, random_prompt
+from helpers import complete, engine_with, fresh_heartbeats, random_prompt
 
 SCALE = 16
 STACK = {"engine": "sim", "sim_device": "h20", "sim_shape": "llama-8b", "kv_byte_scale": SCALE,
@@ -183,15 +182,6 @@ def test_the_fidelity_table_joins_real_and_sim_runs_and_counts_what_is_within_to
 def sim(tiny_path) -> SimRunner:
     timing = timing_for(json.loads((tiny_path / "config.json").read_text()), 4, "h20", "")
     return SimRunner(tiny_path, "float32", "cpu", timing)
-
-
-@contextmanager
-def engine_with(runner: SimRunner, **config):
-    engine = BatchEngine(runner, EngineConfig(**config), name="sim-test")
-    try:
-        yield engine
-    finally:
-        engine.shutdown()
 
 
 def sequence(runner: SimRunner, key: str, prompt_ids: list[int], max_tokens: int) -> DecodeSequence:
