@@ -72,7 +72,7 @@ def _smollm2_gguf_dir() -> Path:
     return Path(spec.origin).parent
 
 
-def _made_once(target: Path, made_when: str, make: Callable[[Path], None]) -> Path:
+def made_once(target: Path, made_when: str, make: Callable[[Path], None]) -> Path:
     """`target`, made by `make` unless `target / made_when` exists. Making holds an exclusive lock beside
     it: the suite's workers and services that start together ask for the same checkpoint at once, and
     only one may build it (the others wait, then find it made)."""
@@ -86,7 +86,8 @@ def _made_once(target: Path, made_when: str, make: Callable[[Path], None]) -> Pa
     return target
 
 
-def _write_atomically(build_into: Path, target: Path) -> None:
+def write_atomically(build_into: Path, target: Path) -> None:
+    """Put the directory `build_into` (made beside `target`) in `target`'s place, whole."""
     if target.exists():
         shutil.rmtree(target)
     os.replace(build_into, target)
@@ -94,7 +95,7 @@ def _write_atomically(build_into: Path, target: Path) -> None:
 
 def ensure_smollm2_tokenizer() -> Path:
     """Extract only SmolLM2's tokenizer (seconds); the tiny model borrows it."""
-    return _made_once(pdd_home() / "smollm2-tokenizer", "tokenizer.json", _make_smollm2_tokenizer)
+    return made_once(pdd_home() / "smollm2-tokenizer", "tokenizer.json", _make_smollm2_tokenizer)
 
 
 def _make_smollm2_tokenizer(target: Path) -> None:
@@ -103,7 +104,7 @@ def _make_smollm2_tokenizer(target: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(_smollm2_gguf_dir(), gguf_file=SMOLLM2_GGUF)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         tokenizer.save_pretrained(tmp)
-        _write_atomically(Path(tmp), target)
+        write_atomically(Path(tmp), target)
         Path(tmp).mkdir()  # TemporaryDirectory cleans up a path that must exist
 
 
@@ -121,7 +122,7 @@ def save_tied(model: torch.nn.Module, path: Path) -> None:
 
 def ensure_smollm2() -> Path:
     """Dequantise the GGUF once into a safetensors checkpoint (progress shown), then reuse it."""
-    return _made_once(pdd_home() / "smollm2-135m-instruct", "model.safetensors", _make_smollm2)
+    return made_once(pdd_home() / "smollm2-135m-instruct", "model.safetensors", _make_smollm2)
 
 
 def _make_smollm2(target: Path) -> None:
@@ -142,7 +143,7 @@ def _make_smollm2(target: Path) -> None:
         save_tied(model, Path(tmp) / "model.safetensors")
         tokenizer.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
-        _write_atomically(Path(tmp), target)
+        write_atomically(Path(tmp), target)
         Path(tmp).mkdir()
 
 
@@ -155,7 +156,7 @@ TINY_CONFIG: dict[str, Any] = dict(  # LlamaConfig's keyword arguments
 
 def ensure_tiny() -> Path:
     """A small random Llama with SmolLM2's tokenizer, the same bytes on every machine."""
-    return _made_once(pdd_home() / "tiny-llama", "model.safetensors", _make_tiny)
+    return made_once(pdd_home() / "tiny-llama", "model.safetensors", _make_tiny)
 
 
 def _make_tiny(target: Path) -> None:
@@ -175,7 +176,7 @@ def _make_tiny(target: Path) -> None:
         (Path(tmp) / "config.json").write_text(json.dumps(config_dict, indent=2))
         save_tied(model, Path(tmp) / "model.safetensors")
         tokenizer.save_pretrained(tmp)
-        _write_atomically(Path(tmp), target)
+        write_atomically(Path(tmp), target)
         Path(tmp).mkdir()
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -73,7 +72,7 @@ def carried_kv(layers: int, kv_heads: int, head_dim: int, scale: int) -> tuple[i
 def sim_checkpoint(base: Path, shape: str = "", kv_byte_scale: int = 1, home: Path | None = None) -> Path:
     """The directory `--model` takes for a sim of `shape` (default: the base checkpoint's own) with the
     base's tokenizer and KV scaled by kv_byte_scale; made once under home (PDD_HOME), then reused."""
-    from shared.models import pdd_home, served_model_name
+    from shared.models import made_once, pdd_home, served_model_name, write_atomically
 
     base_config = json.loads((base / "config.json").read_text())
     if shape:
@@ -89,22 +88,16 @@ def sim_checkpoint(base: Path, shape: str = "", kv_byte_scale: int = 1, home: Pa
     text = json.dumps(config, indent=1, sort_keys=True) + "\n"
     digest = hashlib.sha256(text.encode() + str(base.resolve()).encode()).hexdigest()[:10]
     target = (home or pdd_home()) / "sim-checkpoints" / f"sim-{name}-kv{kv_byte_scale}-{digest}"
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        for item in base.iterdir():
-            if item.is_file() and item.name != "config.json" and not any(item.match(w) for w in WEIGHTS):
-                shutil.copy2(item, tmp)
-        (Path(tmp) / "config.json").write_text(text)
-        try:
-            os.rename(tmp, target)  # whole or not at all; a racing maker's copy is the same
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-        else:
-            Path(tmp).mkdir()  # for TemporaryDirectory's cleanup
-    return target
+
+    def make(target: Path) -> None:
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            for item in base.iterdir():
+                if item.is_file() and item.name != "config.json" and not any(item.match(w) for w in WEIGHTS):
+                    shutil.copy2(item, tmp)
+            (Path(tmp) / "config.json").write_text(text)
+            write_atomically(Path(tmp), target)
+
+    return made_once(target, "config.json", make)  # one maker at a time; the others find it made
 
 
 def modelled_shape(config: dict[str, Any]) -> dict[str, Any]:
