@@ -1,18 +1,31 @@
-"""Child processes of the launcher: each in its own session, dying with its parent, signalled as a group;
-and the tail of a log file for error messages."""
+"""Child processes of the launcher: each in its own session, dying with its parent, signalled as a group
+(spawned, or forked by tools/fork_server.py); and the tail of a log file for error messages."""
 from __future__ import annotations
 
 import asyncio
 import ctypes
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 POLL_S = 0.05
+
+
+class ChildProcess(Protocol):
+    """What the launcher needs of a child: a `subprocess.Popen`, or a service forked by
+    tools/fork_server.py."""
+
+    pid: int
+    args: Any  # its command line
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 def log_tail(path: Path, max_chars: int = 3000) -> str:
@@ -42,7 +55,7 @@ def start_child(cores: Sequence[int] | None = None) -> None:
         os.sched_setaffinity(0, cores)
 
 
-def signal_group(proc: subprocess.Popen[bytes], sig: int, *, after_exit: bool = False) -> None:
+def signal_group(proc: ChildProcess, sig: int, *, after_exit: bool = False) -> None:
     """Signal the child's whole group; once the child is reaped, only when asked (its pid may be reused)."""
     if proc.poll() is not None and not after_exit:
         return
@@ -52,7 +65,7 @@ def signal_group(proc: subprocess.Popen[bytes], sig: int, *, after_exit: bool = 
         pass
 
 
-async def wait_exited(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> bool:
+async def wait_exited(procs: Sequence[ChildProcess], timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while any(p.poll() is None for p in procs):
         if time.monotonic() >= deadline:
