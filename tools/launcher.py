@@ -1,6 +1,7 @@
 """Start and stop a local pdd stack (nats-server, P, RLD, MD, gateway) as child processes.
 
-Owns only the processes it starts: each runs in its own session, logs to `<log_dir>/<role>.log`,
+Owns only the processes it starts: each runs in its own session, logs to `<log_dir>/<role>.log`
+(a role's extra instances, `config.instances`, to `<role>-<i>.log`, each with its own KV port),
 and is stopped in order (gateway, decoders, prefill, nats-servers, WAN emulator) with a deadline
 per stage. With `topology="two-dc"` it also starts a second nats-server for datacenter B and the
 WAN emulator between them (see docs/wan.md). With `nats_auth`, its nats-servers demand a user, a
@@ -47,19 +48,19 @@ from tools.stack_config import (
     KV_ROLES,
     KV_SECRET_FILE,
     LOOPBACK,
-    MD_KV_ROUTE,
     MODEL_ROLES,
     NATS,
     NATS_B,
     NATS_GW_A_ROUTE,
     NATS_GW_B_ROUTE,
-    SERVICES,
     STOP_STAGES,
     WAN,
     StackConfig,
     StackError,
     free_port,
+    md_kv_route,
     port_is_free,
+    role_of,
 )
 from tools.wan_control import WanControl
 
@@ -83,7 +84,7 @@ class LocalStack:
         self.nats_url_b: str = ""  # two-dc: datacenter B's (MD)
         self.wan_control_url: str = ""  # two-dc: the emulator's control API
         self.wan_ports: dict[str, int] = {}  # two-dc: route name -> the emulator's listening port
-        self.md_kv_port: int = 0  # two-dc: the port MD binds (the emulator's md_kv route dials it)
+        self.md_kv_ports: dict[int, int] = {}  # two-dc: MD number -> the port it binds (its route dials it)
         self.port: int = config.port
         self.nats_auth: NatsAuth | None = None  # --nats-auth: what a client of our nats-server(s) presents
         self.kv_secret_file: Path | None = None  # what P, RLD and MD authenticate their KV sockets with
@@ -102,6 +103,16 @@ class LocalStack:
     @property
     def state_path(self) -> Path:
         return self.log_dir / STATE_FILE
+
+    @property
+    def md_kv_port(self) -> int:
+        """two-dc: the port the first MD binds (the emulator's md_kv route dials it)."""
+        return self.md_kv_ports.get(1, 0)
+
+    @property
+    def md_kv_routes(self) -> list[str]:
+        """two-dc: the emulator's routes to the MDs' KV ports, one per MD."""
+        return [md_kv_route(i) for i in range(1, self.config.count_of("main") + 1)]
 
     @property
     def wan(self) -> WanControl:
@@ -151,9 +162,9 @@ class LocalStack:
                                                           self.config.kv_byte_scale)
         except (FileNotFoundError, ValueError) as exc:
             raise StackError(str(exc)) from exc
-        for role in SERVICES:
-            self._argv[role] = self._service_argv(role)
-            self._spawn(role, self._argv[role])
+        for name in self.config.service_processes():
+            self._argv[name] = self._service_argv(name)
+            self._spawn(name, self._argv[name])
         await self.wait_healthy(self.config.startup_timeout_s - (time.monotonic() - self._started_at))
         self._write_state()
         log.info("pdd stack ready in %.1f s at %s (logs in %s)",
@@ -199,7 +210,7 @@ class LocalStack:
         nats-server per datacenter, joined by a NATS gateway link that runs through it both ways."""
         nats_ports = {dc: free_port() for dc in ("a", "b")}
         gateway_ports = {dc: free_port() for dc in ("a", "b")}
-        self.md_kv_port = free_port()
+        self.md_kv_ports = {i: free_port() for i in range(1, self.config.count_of("main") + 1)}
         await self._start_wan(gateway_ports)
         # The emulator's route into each datacenter's gateway port: the other side dials it, and the
         # server advertises it, so gossip never hands out an address that skips the WAN.
@@ -217,7 +228,7 @@ class LocalStack:
 
     async def _start_wan(self, gateway_ports: Mapping[str, int]) -> None:
         c = self.config
-        routes = [f"{MD_KV_ROUTE}={LOOPBACK}:0->{LOOPBACK}:{self.md_kv_port}",
+        routes = [*(f"{md_kv_route(i)}={LOOPBACK}:0->{LOOPBACK}:{port}" for i, port in self.md_kv_ports.items()),
                   f"{NATS_GW_A_ROUTE}={LOOPBACK}:0->{LOOPBACK}:{gateway_ports['b']}",
                   f"{NATS_GW_B_ROUTE}@b={LOOPBACK}:0->{LOOPBACK}:{gateway_ports['a']}"]
         argv = [sys.executable, "-m", "wan", *(a for r in routes for a in ("--route", r)),
@@ -245,7 +256,7 @@ class LocalStack:
             await asyncio.sleep(POLL_S)
         self.wan_ports = {name: int(port) for name, port in re.findall(r"(\w+)(?:@b)?=[^\s=]+:(\d+)->", banner)}
         control = re.search(r"control=(http://\S+)", banner)
-        if control is None or set(self.wan_ports) != {MD_KV_ROUTE, NATS_GW_A_ROUTE, NATS_GW_B_ROUTE}:
+        if control is None or set(self.wan_ports) != {*self.md_kv_routes, NATS_GW_A_ROUTE, NATS_GW_B_ROUTE}:
             raise StackError(f"unexpected WAN emulator banner: {banner!r}")
         self.wan_control_url = control.group(1)
 
@@ -261,19 +272,23 @@ class LocalStack:
     def _nats_url_for(self, role: str) -> str:
         return self.nats_url_b if self.config.two_dc and self.config.datacenter_of(role) == "b" else self.nats_url
 
-    def _service_argv(self, role: str) -> list[str]:
+    def _service_argv(self, name: str) -> list[str]:
         c = self.config
+        role = role_of(name)
+        number = 1 if name == role else int(name.rpartition("-")[2])
         argv = [sys.executable, "-m", f"services.{role}", "--nats-url", self._nats_url_for(role),
                 "--log-level", c.log_level, "--model", str(self.model_path)]
+        if number > 1:  # the first keeps the service's own random id, as a one-instance stack always had
+            argv += ["--instance-id", f"{name}-{secrets.token_hex(4)}"]
         if role in MODEL_ROLES:
             argv += ["--dtype", c.dtype, "--device", c.device, "--torch-threads", str(c.torch_threads)]
             if c.engine != "real":  # the real engine's argv stays as it was
-                argv += ["--engine", c.engine, "--sim-device", c.sim_device, "--sim-profile", c.sim_profile]
+                argv += ["--engine", c.engine, "--sim-device", c.sim_device_of(role), "--sim-profile", c.sim_profile]
         if role == "prefill":
             argv += ["--chunk-tokens", str(c.chunk_tokens)]
         if role == "main" and c.two_dc:  # P dials the emulator's route, which dials MD's own port
-            argv += ["--kv-host", LOOPBACK, "--kv-port", str(self.md_kv_port),
-                     "--advertise-host", LOOPBACK, "--advertise-port", str(self.wan_ports[MD_KV_ROUTE])]
+            argv += ["--kv-host", LOOPBACK, "--kv-port", str(self.md_kv_ports[number]),
+                     "--advertise-host", LOOPBACK, "--advertise-port", str(self.wan_ports[md_kv_route(number)])]
         elif role in ("relay", "main"):
             argv += ["--kv-host", LOOPBACK, "--kv-port", "0"]
         if role in KV_ROLES and self.kv_secret_file is not None:
@@ -303,12 +318,17 @@ class LocalStack:
             proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                 env=self._child_env(), start_new_session=True,
-                preexec_fn=functools.partial(start_child, self.config.cpu_affinity.get(role)),
+                preexec_fn=functools.partial(start_child, self._cores_of(role)),
             )
         self.processes[role] = proc
         self.log_paths[role] = path
         log.info("started %s (pid %d), log %s", role, proc.pid, path)
         return proc
+
+    def _cores_of(self, process: str) -> tuple[int, ...] | None:
+        """A process's --cpus cores: its own, else its role's (an extra instance shares its first's)."""
+        affinity = self.config.cpu_affinity
+        return affinity.get(process, affinity.get(role_of(process)))
 
     def _log_name(self, role: str) -> str:
         if role == NATS:
@@ -340,7 +360,8 @@ class LocalStack:
                 await asyncio.sleep(POLL_S)
 
     async def wait_healthy(self, timeout_s: float = 60.0) -> dict[str, object]:
-        """Poll /healthz until 200 (every role announced); fail fast if a process exits."""
+        """Poll /healthz until 200 (every role announced) and the gateway counts every instance the
+        config starts; fail fast if a process exits."""
         deadline = time.monotonic() + timeout_s
         last = "no answer"
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
@@ -349,14 +370,24 @@ class LocalStack:
                 try:
                     async with session.get(f"{self.api_url}/healthz") as resp:
                         body = await resp.text()
-                        if resp.status == 200:
-                            return json.loads(body)
-                        last = f"HTTP {resp.status}: {body.strip()[:300]}"
+                        if resp.status != 200:
+                            last = f"HTTP {resp.status}: {body.strip()[:300]}"
+                        elif missing := self._instances_missing(health := json.loads(body)):
+                            last = f"HTTP 200, instances not yet announced: {missing}"
+                        else:
+                            return health
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     last = f"{type(exc).__name__}: {exc}"
                 if time.monotonic() >= deadline:
                     raise StackError(f"{self.api_url}/healthz not ready within {timeout_s:.0f} s; last: {last}")
                 await asyncio.sleep(0.25)
+
+    def _instances_missing(self, health: Mapping[str, object]) -> dict[str, int]:
+        """Roles with fewer instances in the gateway's /healthz than the config starts: role -> short by."""
+        seen = health.get("instances")
+        counts = seen if isinstance(seen, dict) else {}
+        short = {role: self.config.count_of(role) - int(counts.get(role, 0)) for role in MODEL_ROLES}
+        return {role: n for role, n in short.items() if n > 0 and self.config.count_of(role) > 1}
 
     def _write_state(self) -> None:
         state: dict[str, object] = {
@@ -429,7 +460,7 @@ class LocalStack:
             began = time.monotonic()
             killed: list[str] = []
             for stage in STOP_STAGES:
-                roles = [r for r in stage if r in self.processes]
+                roles = [p for p in self.processes if role_of(p) in stage]
                 killed += await self._stop_stage(roles)
             codes = ", ".join(f"{r} {p.returncode}" for r, p in self.processes.items())
             log.info("pdd stack stopped in %.1f s (exit codes: %s; killed: %s)",

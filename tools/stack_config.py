@@ -13,6 +13,7 @@ from typing import Protocol
 
 from shared.config import CommonConfig, GatewayConfig, ModelConfig, PrefillConfig, default_of, flag_help
 from shared.names import AUTO, DType, Pipeline, Role, choices
+from shared.step_timing import DEVICES
 
 NATS = "nats"  # the only nats-server in one-dc; datacenter A's in two-dc
 NATS_B = "nats-b"  # two-dc: datacenter B's nats-server
@@ -27,7 +28,7 @@ DATACENTER = {"gateway": "a", "prefill": "a", "relay": "a", "main": "b"}  # two-
 DATACENTERS = ("a", "b")
 # The emulator's routes in two-dc: P -> MD's KV port, and the NATS gateway link in both directions
 # (a NATS gateway connection carries messages one way only: each server dials the other).
-MD_KV_ROUTE = "md_kv"
+MD_KV_ROUTE = "md_kv"  # the first MD's; MD number i > 1 has md_kv_route(i)
 NATS_GW_A_ROUTE = "nats_gw_a"  # dialled by nats-a: A -> B messages
 NATS_GW_B_ROUTE = "nats_gw_b"  # dialled by nats-b: B -> A messages
 LOOPBACK = "127.0.0.1"
@@ -83,6 +84,8 @@ class StackConfig:
     max_running_requests: int | None = None  # the gateway's limit before requests queue; None: its default
     gateway_datacenter: str = DATACENTER["gateway"]  # two-dc: "a" (beside P and RLD) or "b" (beside MD)
     cpu_affinity: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # process name -> the cores it may run on
+    instances: Mapping[str, int] = field(default_factory=dict)  # model role -> how many (default 1 each)
+    sim_devices: Mapping[str, str] = field(default_factory=dict)  # engine sim: model role -> its --sim-device
 
     def __post_init__(self) -> None:
         if self.topology not in TOPOLOGIES:
@@ -94,6 +97,12 @@ class StackConfig:
             raise ValueError(f"cpu_affinity names no process of the stack: {sorted(unknown)}")
         if any(not cores for cores in self.cpu_affinity.values()):
             raise ValueError("cpu_affinity gives a process no core")
+        if set(self.instances) - set(KV_ROLES) or any(n < 1 for n in self.instances.values()):
+            raise ValueError(f"instances takes {', '.join(KV_ROLES)}, each at least 1: got {dict(self.instances)}")
+        if set(self.sim_devices) - set(KV_ROLES):
+            raise ValueError(f"sim_devices takes {', '.join(KV_ROLES)}: got {dict(self.sim_devices)}")
+        if self.sim_devices and self.engine != "sim":
+            raise ValueError("sim_devices sets the simulated engine's device per role: give engine 'sim'")
         if (self.sim_shape or self.kv_byte_scale != 1) and self.engine != "sim":
             raise ValueError("sim_shape and kv_byte_scale model a checkpoint the real engine does not have: "
                              "give engine 'sim'")
@@ -133,7 +142,11 @@ class StackConfig:
         parser.add_argument("--cpus", dest="cpu_affinity", type=parse_cpu_affinity, action="append", default=[],
                             metavar="NAME[,NAME]=CORES",
                             help="pin processes to cores, e.g. prefill=0 or relay,main=1-3 (names: "
-                                 f"{', '.join(PROCESSES)}); repeatable; default: unpinned")
+                                 f"{', '.join(PROCESSES)}); repeatable; default: unpinned (an extra instance "
+                                 "takes its role's cores)")
+        parser.add_argument("--instances", type=parse_instances, default={}, metavar="ROLE=N[,ROLE=N]",
+                            help="instances of a model role, e.g. prefill=2,main=4 (roles: "
+                                 f"{', '.join(KV_ROLES)}; default 1 each); in two-dc each MD has its own WAN route")
         parser.add_argument("--log-dir", type=Path, default=d.log_dir, help="one log file per process")
         parser.add_argument("--log-level", default=d.log_level, help="log level of the services")
         parser.add_argument("--torch-threads", type=int, default=d.torch_threads,
@@ -171,7 +184,7 @@ class StackConfig:
             wan_jitter_ms=ns.wan_jitter_ms, wan_trace=ns.wan_trace, wan_control_port=ns.wan_control_port,
             nats_auth=ns.nats_auth, kv_secret_file=ns.kv_secret_file, api_key_file=ns.api_key_file,
             max_running_requests=ns.max_running_requests, gateway_datacenter=ns.gateway_datacenter,
-            cpu_affinity=merge_cpu_affinity(ns.cpu_affinity),
+            cpu_affinity=merge_cpu_affinity(ns.cpu_affinity), instances=ns.instances, sim_devices=ns.sim_devices,
         )
 
     @property
@@ -185,7 +198,64 @@ class StackConfig:
 
     def datacenter_of(self, process: str) -> str:
         """Where a service runs in two-dc: its fixed place, or the gateway's configured one."""
-        return self.gateway_datacenter if process == "gateway" else DATACENTER[process]
+        return self.gateway_datacenter if process == "gateway" else DATACENTER[role_of(process)]
+
+    def count_of(self, role: str) -> int:
+        return self.instances.get(role, 1)
+
+    def service_processes(self) -> list[str]:
+        """Every service's process name, in start order: a role's first instance is named for the role
+        (what kill, restart and the logs have always called it), the others `<role>-<i>` from 2."""
+        return [instance_name(role, i) for role in SERVICES for i in range(1, self.count_of(role) + 1)]
+
+    def sim_device_of(self, role: str) -> str:
+        return self.sim_devices.get(role, self.sim_device)
+
+
+def instance_name(role: str, number: int) -> str:
+    """The process name of a role's `number`th instance (1 is the role's own name)."""
+    return role if number == 1 else f"{role}-{number}"
+
+
+def role_of(process: str) -> str:
+    """The role an instance's process name belongs to: `main-3` -> `main`, `main` -> `main`."""
+    role, _, number = process.rpartition("-")
+    return role if role in SERVICES and number.isdigit() else process
+
+
+def md_kv_route(number: int) -> str:
+    """The emulator's route to MD number `number`'s KV port in two-dc (1: MD_KV_ROUTE)."""
+    return MD_KV_ROUTE if number == 1 else f"{MD_KV_ROUTE}_{number}"
+
+
+def parse_role_values(text: str, roles: Sequence[str] = KV_ROLES) -> dict[str, str]:
+    """`prefill=2,main=4` -> {"prefill": "2", "main": "4"}: the value of one per-role flag."""
+    values: dict[str, str] = {}
+    for part in text.split(","):
+        role, sep, value = (s.strip() for s in part.partition("="))
+        if not sep or role not in roles or not value:
+            raise argparse.ArgumentTypeError(f"expected ROLE=VALUE[,ROLE=VALUE] with ROLE one of "
+                                             f"{', '.join(roles)}, got {text!r}")
+        values[role] = value
+    return values
+
+
+def parse_instances(text: str) -> dict[str, int]:
+    """`prefill=2,main=4` -> {"prefill": 2, "main": 4}: the value of --instances."""
+    values = parse_role_values(text)
+    if not all(v.isdigit() and int(v) >= 1 for v in values.values()):
+        raise argparse.ArgumentTypeError(f"instances must be whole numbers >= 1, got {text!r}")
+    return {role: int(v) for role, v in values.items()}
+
+
+def parse_sim_devices(text: str) -> dict[str, str]:
+    """`prefill=h800,main=h20` -> {role: device}: the value of --sim-devices."""
+    values = parse_role_values(text)
+    unknown = set(values.values()) - set(DEVICES)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"no simulated device {', '.join(sorted(unknown))}; "
+                                         f"one of {', '.join(DEVICES)}")
+    return values
 
 
 def parse_cpu_affinity(text: str) -> dict[str, tuple[int, ...]]:
@@ -280,6 +350,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
     """--engine and the simulated engine's flags (docs/sim.md), for every command that starts stacks."""
     parser.add_argument("--engine", default=d.engine, choices=("real", "sim"), help=flag_help(ModelConfig, "engine"))
     parser.add_argument("--sim-device", default=d.sim_device, help=flag_help(ModelConfig, "sim_device"))
+    parser.add_argument("--sim-devices", type=parse_sim_devices, default={}, metavar="ROLE=DEVICE[,ROLE=DEVICE]",
+                        help="--engine sim: a role's own --sim-device, e.g. prefill=h800 (the paper: prefill on "
+                             "compute-dense GPUs, decoding on memory-dense ones); the others keep --sim-device")
     parser.add_argument("--sim-profile", default=d.sim_profile, help=flag_help(ModelConfig, "sim_profile"))
     parser.add_argument("--sim-shape", default=d.sim_shape,
                         help="--engine sim: serve this model shape (a name in shared/sim_shapes/, e.g. llama-70b, "

@@ -37,6 +37,7 @@ from tools.stack_config import (
     add_engine_arguments,
     merge_cpu_affinity,
     parse_cpu_affinity,
+    parse_instances,
 )
 
 ALL_MODES = (*MODES, *NOT_AVAILABLE)
@@ -87,11 +88,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help=f"comma list of {', '.join(WORKLOADS)}")
     p.add_argument("--out", type=Path, default=None, help="results directory (default: bench-results/<timestamp>)")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--scenario", choices=("paper",), default=None,
+    p.add_argument("--scenario", choices=tuple(paper.SCENARIOS), default=None,
                    help="paper: the PDD paper's regime (SmolLM2, 100 Mbit/s, 30 ms RTT; agent sessions of 1,024-token "
                         "prompts, 128-token answers, 8 turns at a 90 %% hit; the Mooncake trace with its own answer "
                         "lengths capped at 128) in pdd, pd-local, pd-wan and pd-wan-drc, and summary.md's table "
-                        "against the paper; a flag given still wins over the preset")
+                        "against the paper. paper-scale: the same at the paper's scale on the simulated engine "
+                        "(Llama-3-70B's shape, P on H800, RLD and MD on H20, 2 P, 1 RLD, 4 MD, a 10 Gbit/s link, "
+                        "hundreds of requests; docs/benchmarks.md). A flag given still wins over the preset")
 
     g = p.add_argument_group("stack")
     g.add_argument("--model", default=s.model, help=flag_help(ModelConfig, "model"))
@@ -105,6 +108,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    metavar="NAME[,NAME]=CORES", help="pin processes to cores in every mode, e.g. prefill=0 "
                                                      "--cpus relay,main=1 (as pdd up); default: unpinned")
     add_engine_arguments(g, s)
+    g.add_argument("--instances", type=parse_instances, default={}, metavar="ROLE=N[,ROLE=N]",
+                   help="instances of P, RLD and MD in every mode, e.g. prefill=2,main=4 (default 1 each; as pdd up)")
     g.add_argument("--service-flags", dest="service_flags", type=_service_flags, action="append", default=[],
                    metavar="ROLE=FLAGS", help="more flags for one service in every mode, e.g. gateway='--backfill-"
                                               "link-share 0.5'; repeatable; ROLE one of " + ", ".join(SERVICE_ROLES))
@@ -159,7 +164,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     g.add_argument("--cost-relay", type=float, default=1.0)
     g.add_argument("--cost-main", type=float, default=1.0)
     # a flag a scenario presets keeps its default wrapped, so a value given equal to it still wins
-    p.set_defaults(func=cmd_bench, **{a.dest: NotGiven(a.default) for a in p._actions if a.dest in paper.PRESET})
+    preset = {dest for values in paper.SCENARIOS.values() for dest in values}
+    p.set_defaults(func=cmd_bench, **{a.dest: NotGiven(a.default) for a in p._actions if a.dest in preset})
     return p
 
 
@@ -172,10 +178,10 @@ class NotGiven:
 
 def _apply_scenario(args: argparse.Namespace) -> None:
     """A scenario's values replace the flags not given; the others keep their defaults."""
-    for dest, value in paper.PRESET.items():
-        given = getattr(args, dest)
+    preset = paper.SCENARIOS.get(args.scenario, {})
+    for dest, given in vars(args).items():
         if isinstance(given, NotGiven):
-            setattr(args, dest, value if args.scenario == "paper" else given.default)
+            setattr(args, dest, preset.get(dest, given.default))
 
 
 SERVICE_ROLES = ("prefill", "relay", "main", "gateway", "wan")
@@ -213,7 +219,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                            cpu_affinity=tuple(merge_cpu_affinity(args.cpu_affinity).items()),
                            extra_args=_merge_service_flags(args.service_flags), engine=args.engine,
                            sim_device=args.sim_device, sim_profile=args.sim_profile, sim_shape=args.sim_shape,
-                           kv_byte_scale=args.kv_byte_scale),
+                           kv_byte_scale=args.kv_byte_scale, sim_devices=tuple(args.sim_devices.items()),
+                           instances=tuple(args.instances.items())),
         load=LoadOptions(request_rate=args.request_rate, max_concurrency=args.max_concurrency,
                          max_requests=args.max_requests, duration_s=args.duration_s,
                          request_timeout_s=args.request_timeout_s, warmup_requests=args.warmup_requests,

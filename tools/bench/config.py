@@ -33,6 +33,8 @@ class StackOptions:
     sim_profile: str = default_of(StackConfig, "sim_profile")
     sim_shape: str = default_of(StackConfig, "sim_shape")  # engine sim: a larger model's shape (docs/sim.md)
     kv_byte_scale: int = default_of(StackConfig, "kv_byte_scale")  # KV bytes and the WAN's line rate divided by it
+    sim_devices: tuple[tuple[str, str], ...] = ()  # (role, device): a role's own --sim-device
+    instances: tuple[tuple[str, int], ...] = ()  # (role, count) of P, RLD and MD; 1 each where not given
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,10 @@ class Mode:
     relay: bool  # does it use (and pay for) an RLD instance
     handoff_mode: str | None = None  # None: RLD's own choice
 
-    @property
-    def instances(self) -> dict[str, int]:
-        return {"prefill": 1, "relay": int(self.relay), "main": 1}
+    def instances(self, stack: StackConfig) -> dict[str, int]:
+        """The instances of each tier the mode pays for: its stack's, less RLD where it uses none."""
+        return {"prefill": stack.count_of("prefill"), "relay": stack.count_of("relay") if self.relay else 0,
+                "main": stack.count_of("main")}
 
 
 MODES: dict[str, Mode] = {m.name: m for m in (
@@ -104,7 +105,8 @@ def stack_config(mode: Mode, cfg: BenchConfig, log_dir: Path) -> StackConfig:
         "model": s.model, "dtype": s.dtype, "port": 0, "pipeline": pipeline_of(mode), "log_dir": log_dir,
         "chunk_tokens": s.chunk_tokens, "startup_timeout_s": s.startup_timeout_s, "extra_args": extra,
         "cpu_affinity": dict(s.cpu_affinity), "engine": s.engine, "sim_device": s.sim_device,
-        "sim_profile": s.sim_profile, "sim_shape": s.sim_shape, "kv_byte_scale": s.kv_byte_scale}
+        "sim_profile": s.sim_profile, "sim_shape": s.sim_shape, "kv_byte_scale": s.kv_byte_scale,
+        "sim_devices": dict(s.sim_devices), "instances": dict(s.instances)}
     if s.torch_threads:
         fields["torch_threads"] = s.torch_threads
     if mode.two_dc:

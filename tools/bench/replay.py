@@ -128,9 +128,20 @@ class Replayer:
         return rec
 
     async def warm_up(self, requests: tuple[PlannedRequest, ...]) -> list[RequestRecord]:
-        """One at a time, unmeasured: seeds sessions and wakes the model."""
+        """Unmeasured: the requests of no session one at a time (they wake the tiers), then the
+        sessions' openings side by side, up to max_concurrency, as sessions already running (one at a
+        time, a few hundred sessions of long answers took minutes)."""
         t0 = time.monotonic()
-        return [await self.send(req, t0) for req in requests]
+        records = [await self.send(req, t0) for req in requests if req.session is None]
+        gate = asyncio.Semaphore(self.load.max_concurrency)
+
+        async def opening(req: PlannedRequest) -> RequestRecord:
+            async with gate:
+                return await self.send(req, t0)
+
+        async with asyncio.TaskGroup() as tasks:
+            openings = [tasks.create_task(opening(req)) for req in requests if req.session is not None]
+        return records + [task.result() for task in openings]
 
     async def run(self, requests: tuple[PlannedRequest, ...]) -> tuple[list[RequestRecord], float]:
         """Every request by its arrival time; returns the records (in plan order) and the run's seconds."""

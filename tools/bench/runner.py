@@ -24,7 +24,7 @@ from tools.bench.modes import MODES, Mode, pipeline_of, request_fields, stack_co
 from tools.bench.replay import Replayer, RequestRecord, warmup_requests
 from tools.bench.workloads import Workload, agentic_workload, mooncake_workload, synthetic_workload
 from tools.launcher import LocalStack
-from tools.stack_config import MD_KV_ROUTE, StackConfig
+from tools.stack_config import StackConfig
 
 log = logging.getLogger(__name__)
 Json = dict[str, object]
@@ -72,15 +72,15 @@ def _kv_bytes_per_token(stack: LocalStack, dtype: str) -> int:
 
 
 async def _wan_kv_bytes(stack: LocalStack, settle_s: float = 0.5, limit_s: float = 10.0) -> int | None:
-    """A->B bytes the emulator delivered on MD's KV route (payload, frame headers, handshakes), once
-    the count stops moving (aborted transfers may still drain); None in one datacenter."""
+    """A->B bytes the emulator delivered on the MDs' KV routes (payload, frame headers, handshakes),
+    once the count stops moving (aborted transfers may still drain); None in one datacenter."""
     if not stack.config.two_dc:
         return None
     deadline = time.monotonic() + limit_s
     last = -1
     while True:
         stats = await stack.wan.stats()
-        now = int(stats["routes"][MD_KV_ROUTE]["a_to_b"]["bytes"])
+        now = sum(int(stats["routes"][route]["a_to_b"]["bytes"]) for route in stack.md_kv_routes)
         if now == last or time.monotonic() >= deadline:
             return now
         last = now
@@ -108,25 +108,34 @@ async def _relay_finished_bytes(stack: LocalStack, timeout_s: float = 10.0) -> t
 
 
 async def _prefill_stats(stack: LocalStack, timeout_s: float) -> dict[str, float] | None:
-    """P's heartbeat stats, from a heartbeat sent after this call began; None if none comes."""
+    """Every P's heartbeat stats, summed, each from a heartbeat sent after this call began; None if
+    one of them sends none."""
     after = time.time() + 0.05
+    count = stack.config.count_of(Role.PREFILL)
     nc = await bus.connect(stack.nats_url, "bench-prefill-stats", stack.nats_auth)
-    beat: asyncio.Future[Heartbeat] = asyncio.get_running_loop().create_future()
+    beats: dict[str, Heartbeat] = {}
+    all_heard = asyncio.Event()
 
     async def on_beat(msg) -> None:
         heartbeat = messages.decode(msg.data)
-        if heartbeat.sent_at > after and not beat.done():
-            beat.set_result(heartbeat)
+        if heartbeat.sent_at > after and heartbeat.instance_id not in beats:
+            beats[heartbeat.instance_id] = heartbeat
+            if len(beats) >= count:
+                all_heard.set()
 
     try:
         await nc.subscribe(subjects.heartbeat(Role.PREFILL), cb=on_beat)
         async with asyncio.timeout(timeout_s):
-            stats = (await beat).stats
+            await all_heard.wait()
     except TimeoutError:
         return None
     finally:
         await nc.close()
-    return stats
+    summed: dict[str, float] = {}
+    for beat in beats.values():
+        for key, value in beat.stats.items():
+            summed[key] = summed.get(key, 0) + value
+    return summed
 
 
 def stack_facts(mode: Mode, cfg: BenchConfig, stack_cfg: StackConfig) -> Json:
@@ -138,6 +147,8 @@ def stack_facts(mode: Mode, cfg: BenchConfig, stack_cfg: StackConfig) -> Json:
             "gateway_datacenter": stack_cfg.gateway_datacenter if mode.two_dc else None,
             "cpu_affinity": {name: list(cores) for name, cores in stack_cfg.cpu_affinity.items()},
             "engine": stack_cfg.engine, "sim_device": stack_cfg.sim_device if stack_cfg.engine == "sim" else None,
+            "sim_devices": dict(stack_cfg.sim_devices) or None,
+            "instances": {role: stack_cfg.count_of(role) for role in ("prefill", "relay", "main")},
             "sim_profile": stack_cfg.sim_profile if stack_cfg.engine == "sim" else None,
             "sim_shape": stack_cfg.sim_shape or None, "kv_byte_scale": stack_cfg.kv_byte_scale,
             "wan_line_mbps": stack_cfg.wan_line_mbps if mode.two_dc else None}
@@ -202,7 +213,8 @@ async def _run_workload(stack: LocalStack, session: aiohttp.ClientSession, mode:
     wan_bytes = after - before if before is not None and after is not None else None
     relay_finished = (None if relay_before is None or relay_after is None
                       else tuple(a - b for a, b in zip(relay_after, relay_before)))
-    summary = metrics.summarize(records, duration_s, slo=cfg.slo, costs=cfg.costs, instances=mode.instances,
+    summary = metrics.summarize(records, duration_s, slo=cfg.slo, costs=cfg.costs,
+                                instances=mode.instances(stack.config),
                                 kv_bytes_per_token=bytes_per_token, wan_emulator_bytes=wan_bytes,
                                 relay_finished_bytes=relay_finished)
     return RunResult(mode.name, workload, records, duration_s, summary, cpu_s=cpu_used)
