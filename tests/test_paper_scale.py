@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench import cli, paper
+from tools.bench import cli, paper, report
 from tools.bench.modes import MODES, stack_config
 
 
@@ -62,3 +62,11 @@ def test_the_table_judges_pdd_against_the_drc_alone(drc_p99: float, met: bool) -
     shown, value = row.measure({"pdd": _run(700, 500, 400), "pd-wan-drc": _run(drc_p99, 1000, 800)})
     assert value == pytest.approx(700 / drc_p99) and row.met is not None and row.met(value) is met
     assert "P99" in shown and "P90 0.50×" in shown and "mean 0.50×" in shown
+
+
+def test_the_summary_says_which_device_and_how_many_instances_each_role_had() -> None:
+    note = report._sim_note({"engine": "sim", "sim_device": "h20", "sim_devices": {"prefill": "h800"},
+                             "instances": {"prefill": 2, "relay": 1, "main": 4}, "sim_shape": "llama-70b",
+                             "kv_byte_scale": 32})
+    assert "h20's roofline (prefill on h800's)" in note and "2 prefill instances, 4 main instances" in note
+    assert "relay instances" not in note and "scaled by 1/32" in note

@@ -198,6 +198,10 @@ def _sim_note(stack: Json) -> str:
     """What a simulated run's figures are: which engine timing, which shape, and what its bytes mean."""
     timing = f"profile {stack['sim_profile']}" if stack.get("sim_profile") else f"{stack.get('sim_device')}'s roofline"
     note = f"Simulated engine (docs/sim.md), steps timed by {timing}"
+    if own := stack.get("sim_devices"):
+        note += " (" + ", ".join(f"{role} on {device}'s" for role, device in own.items()) + ")"
+    if instances := {r: n for r, n in (stack.get("instances") or {}).items() if n > 1}:
+        note += ", " + ", ".join(f"{n} {role} instances" for role, n in instances.items())
     if stack.get("sim_shape"):
         note += f", serving the shape {stack['sim_shape']}"
     scale = stack.get("kv_byte_scale") or 1
