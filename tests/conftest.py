@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -18,6 +19,11 @@ from tools.launcher import LocalStack
 from helpers import SharedStacks, stack_config
 
 Generate = Callable[[list[int], int], list[int]]
+
+# The suite's stacks fork their Python services from a fork server that imported them once per
+# worker (tools/fork_server.py), not a fresh interpreter each: the imports were most of a stack
+# start's CPU. `pdd up` run by a test inherits it; README's commands (scripts/smoke.sh) do not.
+os.environ.setdefault("PDD_FORK_SERVER", "1")
 
 # What starts a process: a stack, a nats-server, a service, a CLI run, a compose check.
 STARTS_PROCESSES = ("LocalStack", "subprocess.", "Popen", "create_subprocess", "restart_patched", "run_stack",

@@ -62,6 +62,8 @@ def _child(inherited: Sequence[int], request: dict) -> None:
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
         os.setsid()
+        if "torch" in sys.modules:  # a fresh seed, as a fresh interpreter's (`random` reseeds itself at fork)
+            sys.modules["torch"].seed()
         start_child(request["cores"])
         log_fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         null_fd = os.open(os.devnull, os.O_RDONLY)

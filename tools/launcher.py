@@ -8,7 +8,9 @@ WAN emulator between them (see docs/wan.md). With `nats_auth`, its nats-servers 
 password and a client certificate, made fresh under `<log_dir>/nats-auth`, and every service gets
 the flags to match. The KV sockets always authenticate: P, RLD and MD get the operator's secret
 file, or one made fresh under `<log_dir>/kv-secret`. It never speaks NATS itself; it polls the
-gateway's /healthz and talks to the emulator's control API.
+gateway's /healthz and talks to the emulator's control API. With PDD_FORK_SERVER=1 in its environment
+(the test suite sets it), it forks the Python services from a fork server that has imported them
+once (tools/fork_server.py) instead of starting a fresh interpreter for each.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import aiohttp
 from shared.config import DEFAULT_MAX_PAYLOAD_BYTES, NatsAuth
 from shared.models import resolve_model
 from shared.sim_checkpoint import sim_checkpoint
+from tools.fork_server import ForkedChild, ForkServer, ForkServerError, fork_server_for
 from tools.nats_certs import NatsCerts, make_nats_certs
 from tools.nats_config import (
     NATS_USER,
@@ -43,7 +46,7 @@ from tools.nats_config import (
     nats_gateway_conf,
     write_private,
 )
-from tools.processes import POLL_S, log_tail, signal_group, start_child, wait_exited
+from tools.processes import POLL_S, ChildProcess, log_tail, signal_group, start_child, wait_exited
 from tools.stack_config import (
     KV_ROLES,
     KV_SECRET_FILE,
@@ -69,6 +72,7 @@ log = logging.getLogger(__name__)
 STATE_FILE = "stack.json"
 NATS_AUTH_DIR = "nats-auth"  # --nats-auth: under log_dir, the password file and certificates (mode 0700)
 _WAN_BANNER = "wan_emulator listening:"
+FORK_SERVER_ENV = "PDD_FORK_SERVER"  # "1": fork the Python services from a fork server
 
 
 class LocalStack:
@@ -77,7 +81,7 @@ class LocalStack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
         self.log_dir = config.log_dir.resolve()
-        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.processes: dict[str, ChildProcess] = {}
         self.log_paths: dict[str, Path] = {}
         self.model_path: Path | None = None
         self.nats_url: str = config.nats_url or ""  # two-dc: datacenter A's (gateway, P, RLD)
@@ -140,6 +144,7 @@ class LocalStack:
 
     async def _start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        forks = self._fork_server()  # it imports while the nats-servers start and the model resolves
         if self.port == 0:
             self.port = free_port(self.config.host)
         elif not port_is_free(self.config.host, self.port):
@@ -162,6 +167,11 @@ class LocalStack:
                                                           self.config.kv_byte_scale)
         except (FileNotFoundError, ValueError) as exc:
             raise StackError(str(exc)) from exc
+        if forks is not None:
+            try:
+                await asyncio.to_thread(forks.wait_ready)
+            except ForkServerError as exc:
+                log.warning("%s; starting each service in a fresh interpreter instead", exc)
         for name in self.config.service_processes():
             self._argv[name] = self._service_argv(name)
             self._spawn(name, self._argv[name])
@@ -309,17 +319,19 @@ class LocalStack:
             env.setdefault("OMP_NUM_THREADS", str(self.config.torch_threads))
         return env
 
-    def _spawn(self, role: str, argv: list[str], *, append: bool = False) -> subprocess.Popen[bytes]:
+    def _spawn(self, role: str, argv: list[str], *, append: bool = False) -> ChildProcess:
         path = self.log_dir / self._log_name(role)
         with path.open("ab" if append else "wb") as log_file:
             if append:
                 log_file.write(f"\n--- restarted by the launcher at {time.ctime()} ---\n".encode())
                 log_file.flush()
-            proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                env=self._child_env(), start_new_session=True,
-                preexec_fn=functools.partial(start_child, self._cores_of(role)),
-            )
+            proc: ChildProcess | None = self._fork(role, argv, path)
+            if proc is None:
+                proc = subprocess.Popen(
+                    argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                    env=self._child_env(), start_new_session=True,
+                    preexec_fn=functools.partial(start_child, self._cores_of(role)),
+                )
         self.processes[role] = proc
         self.log_paths[role] = path
         log.info("started %s (pid %d), log %s", role, proc.pid, path)
@@ -329,6 +341,22 @@ class LocalStack:
         """A process's --cpus cores: its own, else its role's (an extra instance shares its first's)."""
         affinity = self.config.cpu_affinity
         return affinity.get(process, affinity.get(role_of(process)))
+
+    def _fork_server(self) -> ForkServer | None:
+        """This process's fork server for the services' environment, when PDD_FORK_SERVER=1."""
+        return fork_server_for(self._child_env()) if os.environ.get(FORK_SERVER_ENV) == "1" else None
+
+    def _fork(self, role: str, argv: list[str], log_path: Path) -> ForkedChild | None:
+        """`python -m <module> ...` forked from the fork server; None: spawn it (no fork server, another
+        program, or a fork server that failed)."""
+        forks = self._fork_server()
+        if forks is None or argv[:2] != [sys.executable, "-m"]:
+            return None
+        try:
+            return forks.spawn(argv[2], argv[3:], log_path, self._cores_of(role))
+        except ForkServerError as exc:
+            log.warning("%s; starting %s in a fresh interpreter instead", exc, role)
+            return None
 
     def _log_name(self, role: str) -> str:
         if role == NATS:
@@ -407,7 +435,7 @@ class LocalStack:
         """Send `sig` to one role's process group (fault tests); `restart` brings it back."""
         signal_group(self.processes[role], sig)
 
-    async def restart(self, role: str, extra_args: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+    async def restart(self, role: str, extra_args: Sequence[str] = ()) -> ChildProcess:
         """Kill `role` if it still runs, then start it again with the same flags (log appended).
 
         `extra_args` are appended to its flags from now on (the last of a repeated flag wins), so
