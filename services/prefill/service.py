@@ -356,13 +356,15 @@ class PrefillService:
         await job.queue_kv(chunk.span, chunk.kv)
 
     async def _send(self, job: PrefillJob, computed: list[torch.Tensor], span: trace.Span) -> list[TransferResult]:
-        """Every chunk is computed: keep it in P's prefix cache while each path writes what it queued."""
+        """Every chunk is computed: keep it in P's prefix cache while each path writes what it queued.
+        The two run side by side: a transfer ends (its span, `send_s`, P's link-rate sample) when its
+        last byte is out, not after the copy into the cache (seconds for a long prompt's KV)."""
         job.move(Phase.SENDING)
         self.prefiller.release(job.request_id)
+        finishing = asyncio.gather(*(self._finish_transfer(job, t) for t in job.transfers))
         if self.cache is not None and computed:
-            await self._keep(job.request.prompt_ids[:-1], await self.engine.run(_concat_tokens, computed),
-                             job.cached_tokens)
-        results = await asyncio.gather(*(self._finish_transfer(job, t) for t in job.transfers))
+            await asyncio.gather(finishing, self._keep_computed(job, computed))
+        results = await finishing
         for result in results:
             span.add_event("kv_transfer", {"pdd.role": result.target.role, "pdd.kv_bytes": result.kv_bytes,
                                            "pdd.send_s": result.send_s, "pdd.state": result.state.value})
@@ -406,6 +408,11 @@ class PrefillService:
         self._remember_main_path(job)
         self.jobs.pop(job.request_id, None)
         await asyncio.gather(*(transfer.wait_closed() for transfer in job.transfers))  # pumps end with the job
+
+    async def _keep_computed(self, job: PrefillJob, computed: list[torch.Tensor]) -> None:
+        """The job's computed chunks, joined on the engine thread, into P's prefix cache."""
+        await self._keep(job.request.prompt_ids[:-1], await self.engine.run(_concat_tokens, computed),
+                         job.cached_tokens)
 
     async def _keep(self, token_ids: list[int], kv: torch.Tensor, kv_start: int) -> None:
         """Into P's prefix cache: `kv` is the KV of token_ids[kv_start:], after a prefix the caller
