@@ -44,9 +44,24 @@ log = logging.getLogger(__name__)
 # transformers, the engine) and the gateway's; a module not listed still runs, importing the rest.
 PRELOAD = ("services.prefill.service", "services.decoder.service", "services.relay.role", "services.main.role",
            "services.gateway.service", "wan.main")
-READY = b'{"ready":true}\n'
+READY = {"ready": True}
 START_TIMEOUT_S = 120.0  # the server's own imports, on a loaded machine
 SPAWN_TIMEOUT_S = 10.0
+
+
+def _send(sock: socket.socket, message: dict) -> None:
+    sock.sendall(orjson.dumps(message) + b"\n")
+
+
+class _Lines:
+    """The protocol's messages out of a stream socket's reads, each whole once its newline came."""
+
+    def __init__(self) -> None:
+        self._rest = b""
+
+    def feed(self, data: bytes) -> list[dict]:
+        *lines, self._rest = (self._rest + data).split(b"\n")
+        return [orjson.loads(line) for line in lines]
 
 
 # ---- the server process (python -m tools.fork_server FD) -------------------------------------------
@@ -96,8 +111,7 @@ def _reap(sock: socket.socket) -> None:
             return
         if pid == 0:
             return
-        sock.sendall(orjson.dumps({"exited": pid, "code": -os.WTERMSIG(status) if os.WIFSIGNALED(status)
-                                   else os.WEXITSTATUS(status)}) + b"\n")
+        _send(sock, {"exited": pid, "code": -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)})
 
 
 def serve(fd: int, preload: Sequence[str]) -> None:
@@ -112,33 +126,29 @@ def serve(fd: int, preload: Sequence[str]) -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    sock.sendall(READY)
+    _send(sock, READY)
     selector = selectors.PollSelector()
     selector.register(sock, selectors.EVENT_READ)
     selector.register(wake_r, selectors.EVENT_READ)
-    buffer = b""
+    requests = _Lines()
     while True:
         for key, _ in selector.select():
-            if key.fileobj == wake_r:
+            if key.fileobj == wake_r:  # a SIGCHLD
                 os.read(wake_r, 4096)
                 _reap(sock)
                 continue
             data = sock.recv(65536)
             if not data:
                 return
-            buffer += data
-            while b"\n" in buffer:
-                line, buffer = buffer.split(b"\n", 1)
-                request = orjson.loads(line)
+            for request in requests.feed(data):
                 try:
                     pid = os.fork()
                 except OSError as exc:
-                    sock.sendall(orjson.dumps({"spawned": request["spawn"], "error": str(exc)}) + b"\n")
+                    _send(sock, {"spawned": request["spawn"], "error": str(exc)})
                     continue
                 if pid == 0:
                     _child((sock.fileno(), wake_r, wake_w), request)
-                sock.sendall(orjson.dumps({"spawned": request["spawn"], "pid": pid}) + b"\n")
-        _reap(sock)
+                _send(sock, {"spawned": request["spawn"], "pid": pid})
 
 
 # ---- the launcher's side ---------------------------------------------------------------------------
@@ -210,8 +220,8 @@ class ForkServer:
 
     @property
     def started(self) -> bool:
-        """It got as far as its first fork: a server that died after that may be replaced."""
-        return self._ready.is_set() and self._started
+        """It got ready once: a server that died after that may be replaced."""
+        return self._started
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         if not self._ready.wait(timeout_s) or not self.alive:
@@ -227,7 +237,7 @@ class ForkServer:
         request = {"spawn": n, "module": module, "args": list(args), "log": str(log_path),
                    "cores": list(cores) if cores else None}
         try:
-            self._sock.sendall(orjson.dumps(request) + b"\n")
+            _send(self._sock, request)
         except OSError as exc:
             raise ForkServerError(f"the fork server is gone: {exc}") from exc
         deadline = time.monotonic() + SPAWN_TIMEOUT_S
@@ -266,7 +276,7 @@ class ForkServer:
             self._proc.kill()
 
     def _read(self) -> None:
-        buffer = b""
+        messages = _Lines()
         while True:
             try:
                 data = self._sock.recv(65536)
@@ -274,10 +284,7 @@ class ForkServer:
                 data = b""
             if not data:
                 break
-            buffer += data
-            while b"\n" in buffer:
-                line, buffer = buffer.split(b"\n", 1)
-                message = orjson.loads(line)
+            for message in messages.feed(data):
                 if message.get("ready"):
                     self._started = True
                     self._ready.set()

@@ -174,7 +174,7 @@ class PrefillService:
             job.move(Phase.SENDING)
             self.prefiller.release(req.request_id)
             if computed:
-                await self._keep(kv_ids, await self.engine.run(_concat_tokens, computed), hit)
+                await self._keep_computed(job, computed)
                 self.metrics.warmed_tokens.inc(len(kv_ids) - hit)
             job.move(Phase.DONE)
         except asyncio.CancelledError:
