@@ -3,10 +3,10 @@
     python scripts/profile_engine.py --model smollm2 --out shared/sim_profiles/smollm2-cpu.json
 
 Times our own runner's packed forward (`ModelRunner.forward_packed`, what the sim's forward replaces)
-over a grid of steps: decode batches at several contexts, prefill chunks over cached prefixes, and a
-mixed step; fits step_s = a + b*rows + c*tokens + d*positions attended by short rows (decode) + e*by long ones
-(prefill chunks), and writes samples and fit.
-Cached KV holds random values (timing does not depend on them). About a minute on two cores.
+over a grid of steps: decode batches at several contexts, prefill chunks over cached prefixes, and mixed
+steps; fits step_s = a + b*rows + c*tokens + d*positions attended by short rows (decode) + e*by long ones
+(prefill chunks) + f*tail tokens (shared/step_timing.py) on relative error, and writes samples and fit.
+Cached KV holds random values (timing does not depend on them). About three and a half minutes on two cores.
 """
 from __future__ import annotations
 
@@ -25,11 +25,19 @@ from shared.model_runner import KERNEL_ROW_TOKENS, ModelRunner, PackedRow  # noq
 from shared.models import load_model, resolve_model  # noqa: E402
 from shared.step_timing import PROFILE_FEATURES, StepRow, fit_profile  # noqa: E402
 
-# (past, new) per row: decode batches, prefill chunks (alone and over a cached prefix), a mixed step
+# (past, new) per row. Decode batches of 1 to 4 rows (what a decoder runs at the paper preset's 4 concurrent
+# requests) at contexts to 3,072 and of mixed contexts, larger batches, prefill chunks alone and over cached
+# prefixes to 3,072 (P's suffixes after a prefix-cache hit), P's chunk beside decode rows, and MD's extend of
+# eager tokens beside its decode rows.
 GRID: list[list[tuple[int, int]]] = [
-    *([(past, 1)] * batch for batch in (1, 4, 16, 32) for past in (128, 1024)),
+    *([(past, 1)] * batch for batch in (1, 2, 3, 4) for past in (128, 1024, 2048, 3072)),
+    *([(past, 1)] * batch for batch in (16, 32) for past in (128, 1024)),
+    [(128, 1), (1024, 1)], [(1024, 1), (3072, 1)], [(512, 1), (1536, 1), (3072, 1)],
+    [(256, 1), (1024, 1), (2048, 1), (3072, 1)], [(1024, 1)] * 4 + [(2048, 1)] * 4,
     *([(past, chunk)] for chunk in (64, 256, 512) for past in (0, 1024)),
+    *([(past, chunk)] for chunk in (64, 128, 256) for past in (2048, 3072)),
     [(0, 256)] + [(512, 1)] * 8,
+    [(2048, 16)] + [(1024, 1)] * 3,
 ]
 
 
@@ -55,7 +63,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the launcher gives each model "
                                                                "process a third of the cores, at least one)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device-name", default="", help="what the profile names as its device (default: this CPU)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -66,7 +74,8 @@ def main() -> None:
         seconds = step_s(runner, shape, args.repeats)
         rows = [StepRow(past, new) for past, new in shape]
         samples.append((rows, seconds))
-        print(f"rows {len(rows):3d}  tokens {sum(n for _, n in shape):4d}  past {shape[0][0]:5d}  "
+        print(f"rows {len(rows):3d}  tokens {sum(n for _, n in shape):4d}  past {min(p for p, _ in shape):5d}"
+              f"-{max(p for p, _ in shape):<5d}  "
               f"{seconds * 1000:8.1f} ms", flush=True)
     device = args.device_name or f"{platform.processor() or platform.machine()}, {args.threads} thread(s), {args.dtype}"
     # the runner attends rows of up to KERNEL_ROW_TOKENS token by token with its kernel, else only decode rows

@@ -130,13 +130,17 @@ class Roofline:
         return self.device.step_overhead_s + max(compute_s, memory_s)
 
 
-PROFILE_FEATURES = ("step", "rows", "tokens", "attended_short", "attended_long")
+PROFILE_FEATURES = ("step", "rows", "tokens", "attended_short", "attended_long", "tail_tokens")
+LINEAR_BLOCK_TOKENS = 4  # the float32 matmuls measured here run 4 rows at a time; 2 or 3 left over are slow
 
 
 def profile_features(rows: Sequence[StepRow], short_row_tokens: int) -> list[float]:
-    """What a measured step's time is fitted on: a constant, rows, new tokens, and the positions attended
+    """What a measured step's time is fitted on: a constant, rows, new tokens, the positions attended
     by short rows (of up to short_row_tokens: attended a query token at a time, memory bound) and by long
-    ones (blocked, many queries per K and V read), which cost differently per position on our runner."""
+    ones (blocked, many queries per K and V read), which cost differently per position on our runner,
+    and the tokens the linears take beyond one in a last, partial block of LINEAR_BLOCK_TOKENS: on this
+    CPU a float32 linear of 2 or 3 rows costs more than one of 4 (SmolLM2's LM head, one thread: 11, 27,
+    38 and 18 ms at 1 to 4 rows), so a step of 2 or 3 decode rows is slower than one of 4."""
     short = long = 0
     for r in rows:
         attended = r.new_tokens * r.past_tokens + r.new_tokens * (r.new_tokens + 1) // 2
@@ -144,13 +148,15 @@ def profile_features(rows: Sequence[StepRow], short_row_tokens: int) -> list[flo
             short += attended
         else:
             long += attended
-    return [1.0, float(len(rows)), float(sum(r.new_tokens for r in rows)), float(short), float(long)]
+    tokens = sum(r.new_tokens for r in rows)
+    tail = max(0, tokens % LINEAR_BLOCK_TOKENS - 1)
+    return [1.0, float(len(rows)), float(tokens), float(short), float(long), float(tail)]
 
 
 @dataclass(frozen=True)
 class ProfiledTiming:
     """A linear fit of measured step times: seconds per step, per row, per new token, per attended position
-    (of short rows, of long rows)."""
+    (of short rows, of long rows), per token in the linears' partial block beyond one."""
 
     model: str
     device: str
@@ -175,12 +181,14 @@ class ProfiledTiming:
 
 def fit_profile(model: str, device: str, short_row_tokens: int,
                 samples: Sequence[tuple[Sequence[StepRow], float]]) -> ProfiledTiming:
-    """Least squares over (step's rows, measured seconds), refitted without any feature whose coefficient
-    comes out negative, so no step is ever modelled faster by being bigger."""
+    """Least squares of the relative error over (step's rows, measured seconds), so a 60 ms decode step
+    counts as much as a 2 s prefill chunk, refitted without any feature whose coefficient comes out
+    negative, so no step is ever modelled faster by being bigger."""
     import torch
 
     x = torch.tensor([profile_features(rows, short_row_tokens) for rows, _ in samples], dtype=torch.float64)
     y = torch.tensor([[s] for _, s in samples], dtype=torch.float64)
+    x, y = x / y, torch.ones_like(y)  # each sample's row divided by its time: the residual is relative
     kept = list(range(len(PROFILE_FEATURES)))
     while True:
         solution = torch.linalg.lstsq(x[:, kept], y).solution[:, 0].tolist()

@@ -75,10 +75,10 @@ def test_decode_is_memory_bound_and_prefill_compute_bound_as_the_roofline_says()
 
 
 def test_a_profile_fit_recovers_its_coefficients_and_round_trips(tmp_path):
-    truth = (0.004, 0.0002, 0.00003, 5e-8, 1e-8)
+    truth = (0.004, 0.0002, 0.00003, 5e-8, 1e-8, 0.002)
     samples = []
     for rows in ([StepRow(100, 1)] * 4, [StepRow(500, 1)] * 16, [StepRow(0, 256)], [StepRow(0, 64), StepRow(40, 1)],
-                 [StepRow(1000, 1)] * 2, [StepRow(256, 128)], [StepRow(1024, 512)]):
+                 [StepRow(1000, 1)] * 2, [StepRow(3000, 1)] * 3, [StepRow(256, 128)], [StepRow(1024, 512)]):
         exact = ProfiledTiming("m", "d", truth, 1).step_s(rows)
         samples.append((rows, exact))
     fitted = fit_profile("m", "d", 1, samples)
