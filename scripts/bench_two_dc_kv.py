@@ -32,15 +32,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
-from nats.aio.msg import Msg
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from shared import bus, messages, subjects
-from shared.names import Role
 from shared.sim_checkpoint import SHAPES_DIR
 from tools.api_client import stream_completion
+from tools.bench.runner import prefill_stats
 from tools.launcher import LocalStack
 from tools.stack_config import MD_KV_ROUTE, StackConfig, free_port
 
@@ -82,27 +80,12 @@ def shape_with_context(directory: Path, context_tokens: int) -> Path:
     return path
 
 
-class PrefillBeats:
-    """P's heartbeat stats as they come (its engine's modelled step time, summed)."""
-
-    def __init__(self) -> None:
-        self.stats: dict[str, float] = {}
-        self.sent_at = 0.0
-        self._beat = asyncio.Event()
-
-    async def on_message(self, msg: Msg) -> None:
-        beat = messages.decode(msg.data)
-        if isinstance(beat, messages.Heartbeat) and beat.role == Role.PREFILL:
-            self.stats, self.sent_at = beat.stats, beat.sent_at
-            self._beat.set()
-
-    async def after(self, wall_s: float, timeout_s: float = 10.0) -> dict[str, float]:
-        """The stats of a beat sent after wall_s (time.time())."""
-        async with asyncio.timeout(timeout_s):
-            while self.sent_at <= wall_s:
-                self._beat.clear()
-                await self._beat.wait()
-        return self.stats
+async def modelled_prefill_s(stack: LocalStack) -> float:
+    """P's engine's modelled step time so far (its heartbeat's `sim_modelled_s`), from a beat sent now."""
+    stats = await prefill_stats(stack, timeout_s=10.0)
+    if stats is None:
+        raise RuntimeError("P sent no heartbeat within 10 s")
+    return stats["sim_modelled_s"]
 
 
 def fresh_prompt(rng: random.Random, tokens: int) -> list[int]:
@@ -134,11 +117,11 @@ async def route_bytes(stack: LocalStack) -> int:
     return int(stats["routes"][MD_KV_ROUTE]["a_to_b"]["bytes"])
 
 
-async def one_run(session: aiohttp.ClientSession, stack: LocalStack, beats: PrefillBeats, args: argparse.Namespace,
-                  rng: random.Random, run: int) -> Run:
+async def one_run(session: aiohttp.ClientSession, stack: LocalStack, args: argparse.Namespace, rng: random.Random,
+                  run: int) -> Run:
     body = {"prompt": fresh_prompt(rng, args.prompt_tokens), "max_tokens": args.max_tokens, "temperature": 0,
             "pdd": {"pipeline": "p-md"}}
-    modelled_before = (await beats.after(time.time()))["sim_modelled_s"]
+    modelled_before = await modelled_prefill_s(stack)
     wan_before = await route_bytes(stack)
     result = await stream_completion(session, stack.api_url, body)
     summary = result.summary
@@ -148,7 +131,7 @@ async def one_run(session: aiohttp.ClientSession, stack: LocalStack, beats: Pref
     spans = await trace_spans(session, stack.api_url, str(summary["trace_id"]))
     await asyncio.sleep(args.settle_s)  # the emulator's counter: its last chunk's write is counted by now
     wan_bytes = await route_bytes(stack) - wan_before
-    modelled_s = (await beats.after(time.time()))["sim_modelled_s"] - modelled_before
+    modelled_s = await modelled_prefill_s(stack) - modelled_before
     chunks = sorted(spans["prefill.chunk"], key=lambda row: row["attributes"]["pdd.token_start"])
     first_chunk_end, main_has_all = end_ms(chunks[0]), end_ms(spans["main.kv_wait"][0])
     (to_main,) = [row for row in spans["prefill.kv_transfer"] if row["attributes"]["pdd.target_role"] == "main"]
@@ -181,18 +164,12 @@ async def measure(args: argparse.Namespace) -> list[Run]:
     rng = random.Random(args.seed)
     print(f"starting a two-dc stack, {SHAPE} shape sim (logs in {log_dir})", file=sys.stderr, flush=True)
     runs = []
-    beats = PrefillBeats()
     async with LocalStack(config) as stack, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
-        nc = await bus.connect(stack.nats_url, "bench-two-dc-kv")
-        try:
-            await nc.subscribe(subjects.heartbeat(Role.PREFILL), cb=beats.on_message)
-            warm = {"prompt": fresh_prompt(rng, args.warmup_tokens), "max_tokens": 1, "temperature": 0,
-                    "pdd": {"pipeline": "p-md"}}
-            await stream_completion(session, stack.api_url, warm)  # P's pool to MD opens; code paths warm
-            for run in range(args.runs):
-                runs.append(await one_run(session, stack, beats, args, rng, run))
-        finally:
-            await nc.close()
+        warm = {"prompt": fresh_prompt(rng, args.warmup_tokens), "max_tokens": 1, "temperature": 0,
+                "pdd": {"pipeline": "p-md"}}
+        await stream_completion(session, stack.api_url, warm)  # P's pool to MD opens; code paths warm
+        for run in range(args.runs):
+            runs.append(await one_run(session, stack, args, rng, run))
     return runs
 
 

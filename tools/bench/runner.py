@@ -98,7 +98,7 @@ async def _relay_finished_bytes(stack: LocalStack, timeout_s: float = 10.0) -> t
     WAN's byte count includes them; None if P's heartbeat lacks the counts."""
     deadline = time.monotonic() + BACKFILL_WAIT_S
     while True:
-        stats = await _prefill_stats(stack, timeout_s)
+        stats = await prefill_stats(stack, timeout_s)
         if stats is None or any(key not in stats for key in RELAY_FINISHED_STATS):
             return None
         ended = sum(stats.get(f"backfills_{outcome}", 0) for outcome in ("done", "failed", "aborted"))
@@ -107,7 +107,7 @@ async def _relay_finished_bytes(stack: LocalStack, timeout_s: float = 10.0) -> t
         await asyncio.sleep(0.5)
 
 
-async def _prefill_stats(stack: LocalStack, timeout_s: float) -> dict[str, float] | None:
+async def prefill_stats(stack: LocalStack, timeout_s: float) -> dict[str, float] | None:
     """Every P's heartbeat stats, summed, each from a heartbeat sent after this call began; None if
     one of them sends none."""
     after = time.time() + 0.05
