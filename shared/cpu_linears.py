@@ -26,20 +26,12 @@ one row per call: slower, and exact by construction. P's runner neither pads nor
 are a prompt's, never compared with another tier's, and splitting a 512-row chunk costs two to three
 times the call.
 
-A float32 model is not row-invariant on a CPU (MKL, this AVX-512 machine: one row, two or three,
-and four to eight round apart), and nothing is padded for its bits. It is padded for speed alone:
-the same BLAS computes 2 or 3 rows much slower than 4 (SmolLM2's LM head, one thread: 9, 22, 34 and
-17 ms at 1 to 4 rows). `pad_float32_linears` times each shape at 1 to FLOAT32_MAX_PAD rows at load
-and pads a layer's small calls to a larger count only where that call takes at most
-FLOAT32_PAD_GAIN of their own time, so a CPU whose BLAS has no such step pads nothing. A row
-alone is never padded: it keeps transformers' one-row bits, those of the reference generation.
+float32 models: shared/float32_linears.py, on the same CpuLinear.
 """
 from __future__ import annotations
 
 import functools
 import logging
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -54,9 +46,6 @@ PROBES = 3  # random inputs per count: a rounding difference shows only on some 
 P_PROBED_ROWS = (1, 3, 33, 100)  # counts at which P's packed layers must give F.linear's bits
 DECODER_PROBED_ROWS = (1, 2, 3, 4, 8, 16, 32, 33, 64)  # likewise for a decoder's
 CPU_PROBE_SHAPES = ((1536, 576),)  # (inputs, outputs) probed for every decoder's plan, besides its own
-FLOAT32_MAX_PAD = 8  # a float32 call may be padded to at most this many rows
-FLOAT32_PAD_GAIN = 0.8  # ... where that takes at most this share of the unpadded call's time
-FLOAT32_TIMING_REPEATS = 5  # timed calls per count (their median; after one untimed)
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]  # [rows, in_features] -> [rows, out_features]
 
@@ -64,10 +53,13 @@ Matmul = Callable[[torch.Tensor], torch.Tensor]  # [rows, in_features] -> [rows,
 @dataclass(frozen=True)
 class RowPlan:
     """How a layer's calls are shaped. pad_to: calls of fewer rows (and at least pad_from) are padded
-    to this many; max_rows: calls of more rows are split into calls of at most this many (0: never split)."""
+    to this many; max_rows: calls of more rows are split into calls of at most this many (0: never
+    split); plain_rows: calls of at most this many rows run F.linear on the plain weight, whatever
+    else the layer holds."""
     pad_to: int = 1
     max_rows: int = 0
     pad_from: int = 1
+    plain_rows: int = 0
 
     def calls(self, rows: int) -> list[tuple[int, int]]:
         """(first row, rows) of each call a `rows`-row input is computed in."""
@@ -93,6 +85,8 @@ class CpuLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows, plan = x.numel() // self.in_features, self.plan
+        if rows <= plan.plain_rows:
+            return F.linear(x, self.weight, self.bias)
         if rows < plan.pad_from or (rows >= plan.pad_to and (not plan.max_rows or rows <= plan.max_rows)):
             return self._matmul(x.contiguous())  # no row (a chunk that samples nothing), too few to pad, or planned
         flat = x.reshape(rows, self.in_features)
@@ -114,7 +108,7 @@ class CpuLinear(nn.Module):
     def extra_repr(self) -> str:
         packed = "packed" if self.packed is not None else "F.linear"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"{packed}, pad_from={self.plan.pad_from}, pad_to={self.plan.pad_to}, max_rows={self.plan.max_rows}")
+                f"{packed}, {self.plan}")
 
 
 def can_pack(model: nn.Module) -> bool:
@@ -150,82 +144,23 @@ def adapt_linears(model: nn.Module, row_invariant: bool = True, pack: bool = Tru
             owners[id(p)] = owners.get(id(p), 0) + 1
     linears = [(parent, name, child) for parent in list(model.modules())
                for name, child in list(parent.named_children()) if type(child) is nn.Linear]
-    shapes = sorted({_shape(child) for _, _, child in linears})
+    shapes = sorted({shape_of(child) for _, _, child in linears})
     packed = {shape: packing and packed_matches(shape, row_invariant) for shape in shapes}
     plan = decoder_plan(tuple(packed.items())) if row_invariant else RowPlan()
     for parent, name, child in linears:
-        setattr(parent, name, CpuLinear(child, plan, packed[_shape(child)], keep_weight=owners[id(child.weight)] > 1))
+        setattr(parent, name, CpuLinear(child, plan, packed[shape_of(child)], keep_weight=owners[id(child.weight)] > 1))
     for (inputs, outputs, _), on in packed.items():
         if packing and not on:
             log.info("packed linears: off for %dx%d, where oneDNN's packed kernel rounds apart from F.linear",
                      inputs, outputs)
-    count = sum(packed[_shape(child)] for _, _, child in linears)
+    count = sum(packed[shape_of(child)] for _, _, child in linears)
     if row_invariant:
         log.info("linears: a row gets the bits it gets %s, in calls of at most %d rows (%d of %d packed)",
                  "alone" if plan.pad_to == 1 else f"among {plan.pad_to}", plan.max_rows, count, len(linears))
     return count
 
 
-def pad_float32_linears(model: nn.Module) -> int:
-    """Replace the nn.Linears of a float32 CPU model whose small calls run faster padded (timed
-    here, once per shape and thread count in a process) with CpuLinears that pad them; how many."""
-    param = next(model.parameters())
-    if param.device.type != "cpu" or param.dtype != torch.float32:
-        return 0
-    linears = [(parent, name, child) for parent in list(model.modules())
-               for name, child in list(parent.named_children()) if type(child) is nn.Linear]
-    plans: dict[Shape, RowPlan] = {}
-    padded = 0
-    for parent, name, child in linears:
-        plan = plans.setdefault(_shape(child), _float32_plan(_shape(child), torch.get_num_threads(), child))
-        if plan != RowPlan():
-            setattr(parent, name, CpuLinear(child, plan, packed=False, keep_weight=True))
-            padded += 1
-    log.info("float32 linears: %d of %d padded (%s)", padded, len(linears), ", ".join(
-        f"{i}x{o}: {p.pad_from}-{p.pad_to - 1} rows to {p.pad_to}" for (i, o, _), p in plans.items() if p != RowPlan())
-        or "no call is faster padded here")
-    return padded
-
-
-_float32_plans: dict[tuple[Shape, int], RowPlan] = {}
-
-
-def _float32_plan(shape: Shape, threads: int, linear: nn.Linear) -> RowPlan:
-    if (shape, threads) not in _float32_plans:
-        _float32_plans[shape, threads] = faster_padding(_call_times(linear, FLOAT32_MAX_PAD))
-    return _float32_plans[shape, threads]
-
-
-def faster_padding(times: Sequence[float]) -> RowPlan:
-    """The padding that saves the most, from times[n - 1], a call of n rows: calls of pad_from to
-    pad_to - 1 rows padded to pad_to where each of them takes at least 1 / FLOAT32_PAD_GAIN times
-    as long as pad_to rows; one row is never padded. RowPlan() when nothing is faster padded."""
-    best, best_saving = RowPlan(), 0.0
-    for pad_to in range(3, len(times) + 1):
-        padded_s = times[pad_to - 1]
-        pad_from = pad_to
-        while pad_from > 2 and padded_s <= FLOAT32_PAD_GAIN * times[pad_from - 2]:
-            pad_from -= 1
-        saving = sum(times[n - 1] - padded_s for n in range(pad_from, pad_to))
-        if saving > best_saving:
-            best, best_saving = RowPlan(pad_to=pad_to, pad_from=pad_from), saving
-    return best
-
-
-def _call_times(linear: nn.Linear, max_rows: int) -> list[float]:
-    """Median seconds of F.linear on 1 to max_rows rows, the counts taken in turn."""
-    x = torch.randn(max_rows, linear.in_features, generator=torch.Generator().manual_seed(0))
-    runs: list[list[float]] = [[] for _ in range(max_rows)]
-    with torch.inference_mode():
-        for _ in range(FLOAT32_TIMING_REPEATS + 1):
-            for n in range(1, max_rows + 1):
-                started = time.perf_counter()
-                F.linear(x[:n], linear.weight, linear.bias)
-                runs[n - 1].append(time.perf_counter() - started)
-    return [statistics.median(run[1:]) for run in runs]
-
-
-def _shape(linear: nn.Linear) -> Shape:
+def shape_of(linear: nn.Linear) -> Shape:
     return linear.in_features, linear.out_features, linear.bias is not None
 
 

@@ -1,6 +1,6 @@
-"""A model's CPU linears. bfloat16: packing changes no bit, and a decoder's row comes out the same
+"""A bfloat16 model's CPU linears: packing changes no bit, and a decoder's row comes out the same
 whatever number of rows shares its call, on whichever CPU (and oneDNN ISA cap) the suite runs.
-float32: calls of a few rows padded only where the timing at load finds it faster."""
+(float32: tests/test_float32_linears.py.)"""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.cpu_linears import PROBED_ROWS, CpuLinear, RowPlan, adapt_linears, can_pack, faster_padding, row_plan
+from shared.cpu_linears import PROBED_ROWS, CpuLinear, RowPlan, adapt_linears, can_pack, row_plan
 from shared.model_runner import ModelRunner
 from shared.models import load_model
 
@@ -59,45 +59,6 @@ def test_packing_keeps_a_shared_weight_and_drops_the_others() -> None:
     x = torch.tensor([[1, 2, 3]])
     with torch.inference_mode():
         assert model(x).shape == (1, 3, 32)
-
-
-def test_a_float32_model_is_padded_only_where_padding_is_faster_and_never_a_row_alone(tiny_path) -> None:
-    """Nothing is packed; a layer is padded only by the timing at load (on some CPUs none is), and
-    a one-row call keeps transformers' own bits, those of the reference generation."""
-    reference = load_model(tiny_path, "float32", "cpu")
-    runner = ModelRunner(load_model(tiny_path, "float32", "cpu"))
-    padded = [m for m in runner.model.modules() if isinstance(m, CpuLinear)]
-    assert runner.packed_linears == 0 and runner.padded_linears == len(padded)
-    assert all(m.packed is None and m.plan.pad_from >= 2 and not m.plan.max_rows for m in padded)
-    ids = torch.tensor([[5, 17, 99, 3, 250, 8, 41]])
-    with torch.inference_mode():
-        for rows in (ids[:, :1], ids):
-            assert torch.equal(runner.model(rows).logits, reference(rows).logits)
-
-
-def test_padding_is_taken_where_it_saves_time_and_only_there() -> None:
-    """SmolLM2's LM head on this AVX-512 CPU (ms at 1 to 8 rows): 2 and 3 rows padded to 4. Times
-    that grow with the rows, or a step under the gain asked, pad nothing; a row alone never is."""
-    assert faster_padding([9, 22, 34, 17, 16, 18, 18, 19]) == RowPlan(pad_from=2, pad_to=4)
-    assert faster_padding([9, 10, 30, 31, 32, 12, 40, 41]) == RowPlan(pad_from=3, pad_to=6)
-    assert faster_padding([1, 2, 3, 4, 5, 6, 7, 8]) == RowPlan()
-    assert faster_padding([10, 10, 10, 10, 10, 10, 10, 10]) == RowPlan()
-    assert faster_padding([10, 11, 11, 10, 10, 10, 10, 10]) == RowPlan()  # 10 against 11: under the gain
-    assert faster_padding([1, 30, 30, 2]).pad_from == 2  # one row is never padded, however slow
-
-
-def test_a_float32_layer_padded_from_two_rows_leaves_one_row_alone() -> None:
-    linear = nn.Linear(16, 8)
-    x = torch.randn(7, 16)
-    planned = CpuLinear(linear, RowPlan(pad_to=4, pad_from=2), packed=False, keep_weight=True)
-    with torch.inference_mode():
-        assert torch.equal(planned(x[:1]), F.linear(x[:1], linear.weight, linear.bias))
-        for n in (2, 3):
-            filler = x[:1].expand(4 - n, -1)
-            assert torch.equal(planned(x[:n]), F.linear(torch.cat([x[:n], filler]), linear.weight, linear.bias)[:n])
-        assert torch.equal(planned(x), F.linear(x, linear.weight, linear.bias))
-        assert planned(x[:3][None]).shape == (1, 3, 8)
-        assert planned(x[:0][None]).shape == (1, 0, 8)
 
 
 def test_a_bfloat16_model_on_torchs_attention_keeps_its_kv_in_float32_holding_bfloat16_values(tiny_path) -> None:
