@@ -12,14 +12,16 @@ fastest of TIMING_REPEATS calls at 1 to MAX_ROWS rows, once per shape and thread
   here: SmolLM2's LM head 6-8 ms against 17-34), taken where the calls of 2 to MAX_ROWS rows take at
   most GAIN of their time on F.linear; the plain weight is kept for one-row calls, so such a layer's
   weight is held twice;
-- otherwise, padding: MKL computes 2 or 3 rows slower than 4 here (the LM head: 9, 22, 34 and 17 ms
-  at 1 to 4 rows), so calls of pad_from to pad_to - 1 rows are padded to pad_to where each takes at
-  least 1 / GAIN as long (`faster_padding`).
+- F.linear.
+Either way with padding: a kernel may compute a few rows slower than a few more (MKL here: the LM
+head 9, 22, 34 and 17 ms at 1 to 4 rows; oneDNN 7.2, 8.6, 6.6 ms at 1 to 3), so calls of pad_from to
+pad_to - 1 rows are padded to pad_to where each takes at least 1 / GAIN as long (`faster_padding`).
 P's model (`decoder=False`) is only padded, never packed: its chunks' bits stay MKL's. A CPU where
 neither way is faster keeps F.linear everywhere.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -35,8 +37,6 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 8  # calls are timed at 1 to this many rows; padding goes at most this far
 GAIN = 0.8  # a way is taken where it takes at most this share of F.linear's time
 TIMING_REPEATS = 5  # timed calls per count (the fastest counts: the kernel's own speed), after one untimed
-
-PACKED_PLAN = RowPlan(plain_rows=1)  # one row on F.linear, the rest on the packed weight
 
 
 def adapt_float32_linears(model: nn.Module, decoder: bool = True) -> tuple[int, int]:
@@ -59,7 +59,8 @@ def adapt_float32_linears(model: nn.Module, decoder: bool = True) -> tuple[int, 
             setattr(parent, name, CpuLinear(child, plan, packed=packed, keep_weight=True))
             packed_count += packed
             padded_count += not packed
-    ways = [f"{i}x{o}: " + ("packed" if packed else f"{plan.pad_from}-{plan.pad_to - 1} rows padded to {plan.pad_to}")
+    ways = [f"{i}x{o}: " + ("packed" if packed else "F.linear") + (
+        f", {plan.pad_from}-{plan.pad_to - 1} rows padded to {plan.pad_to}" if plan.pad_to > plan.pad_from else "")
             for (i, o, _), (plan, packed) in plans.items() if plan != RowPlan()]
     log.info("float32 linears: %d of %d packed for calls of 2 rows or more, %d padded (%s)", packed_count,
              len(linears), padded_count, ", ".join(ways) or "F.linear is the fastest here")
@@ -85,14 +86,20 @@ def _plan(shape: Shape, threads: int, can_pack: bool, linear: nn.Linear) -> tupl
 
 def choose_plan(plain: Sequence[float], packed: Sequence[float] | None) -> tuple[RowPlan, bool]:
     """From the times of calls of 1 to MAX_ROWS rows on F.linear and on the packed weight (None:
-    not packable): packed where its calls of 2 rows and more take at most GAIN of F.linear's with
-    the best padding, else that padding."""
+    not packable): packed, one row on F.linear, where its calls of 2 rows and more take at most
+    GAIN of F.linear's, each way with its best padding; else F.linear with its padding."""
     padding = faster_padding(plain)
-    padded = [plain[padding.pad_to - 1] if padding.pad_from <= n < padding.pad_to else plain[n - 1]
-              for n in range(2, len(plain) + 1)]
-    if packed is not None and sum(packed[1:]) <= GAIN * sum(padded):
-        return PACKED_PLAN, True
+    if packed is not None:
+        packed_padding = faster_padding(packed)
+        if sum(_padded_times(packed, packed_padding)) <= GAIN * sum(_padded_times(plain, padding)):
+            return dataclasses.replace(packed_padding, plain_rows=1), True
     return padding, False
+
+
+def _padded_times(times: Sequence[float], plan: RowPlan) -> list[float]:
+    """The time of a call of 2 to len(times) rows under `plan`'s padding."""
+    return [times[plan.pad_to - 1] if plan.pad_from <= n < plan.pad_to else times[n - 1]
+            for n in range(2, len(times) + 1)]
 
 
 def faster_padding(times: Sequence[float]) -> RowPlan:
