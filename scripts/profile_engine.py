@@ -4,8 +4,10 @@
 
 Times our own runner's packed forward (`ModelRunner.forward_packed`, what the sim's forward replaces)
 over a grid of steps: decode batches at several contexts, prefill chunks over cached prefixes, and mixed
-steps; fits step_s = a + b*rows + c*tokens + d*positions attended by short rows (decode) + e*by long ones
-(prefill chunks) + f*tail tokens (shared/step_timing.py) on relative error, and writes samples and fit.
+steps, each on the runner of the tier that runs it (a prefill chunk alone on P's, whose linears are not
+a decoder's: shared/float32_linears.py; every other step on a decoder's); fits step_s = a + b*rows +
+c*tokens + d*positions attended by short rows (decode) + e*by long ones (prefill chunks) + f*tail tokens
+(shared/step_timing.py) on relative error, and writes samples and fit.
 Cached KV holds random values (timing does not depend on them). About three and a half minutes on two cores.
 """
 from __future__ import annotations
@@ -68,10 +70,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    runner = ModelRunner(load_model(resolve_model(args.model), args.dtype, "cpu"))
+    path = resolve_model(args.model)
+    runner = ModelRunner(load_model(path, args.dtype, "cpu"))
+    p_runner = ModelRunner(load_model(path, args.dtype, "cpu"), row_invariant=False)
     samples = []
     for shape in GRID:
-        seconds = step_s(runner, shape, args.repeats)
+        seconds = step_s(p_runner if len(shape) == 1 and shape[0][1] > 1 else runner, shape, args.repeats)
         rows = [StepRow(past, new) for past, new in shape]
         samples.append((rows, seconds))
         print(f"rows {len(rows):3d}  tokens {sum(n for _, n in shape):4d}  past {min(p for p, _ in shape):5d}"
