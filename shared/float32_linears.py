@@ -9,9 +9,9 @@ row among others never had transformers' bits, and its call may take whatever ke
 For a decoder, whose steps are calls of a few rows, two ways are timed per shape at load (the
 fastest of TIMING_REPEATS calls at 1 to MAX_ROWS rows, once per shape and thread count in a process):
 - oneDNN's linear on a weight packed once at load (its float32 kernel is 2-6x MKL's at 2 to 8 rows
-  here: SmolLM2's LM head 6-8 ms against 17-34), taken where the calls of 2 to MAX_ROWS rows take at
-  most GAIN of their time on F.linear; the plain weight is kept for one-row calls, so such a layer's
-  weight is held twice;
+  here: SmolLM2's LM head 6-8 ms against 17-34), taken where it agrees with F.linear to rounding
+  (AGREEMENT) and its calls of 2 to MAX_ROWS rows take at most GAIN of their time on F.linear;
+  the plain weight is kept for one-row calls, so such a layer's weight is held twice;
 - F.linear.
 Either way with padding: a kernel may compute a few rows slower than a few more (MKL here: the LM
 head 9, 22, 34 and 17 ms at 1 to 4 rows; oneDNN 7.2, 8.6, 6.6 ms at 1 to 3), so calls of pad_from to
@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 MAX_ROWS = 8  # calls are timed at 1 to this many rows; padding goes at most this far
 GAIN = 0.8  # a way is taken where it takes at most this share of F.linear's time
+AGREEMENT = 1e-4  # the packed kernel's largest difference from F.linear, as a share of the largest output
 TIMING_REPEATS = 5  # timed calls per count (the fastest counts: the kernel's own speed), after one untimed
 
 
@@ -78,8 +79,15 @@ def _plan(shape: Shape, threads: int, can_pack: bool, linear: nn.Linear) -> tupl
         packed = None
         if can_pack:
             weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
-            packed = _call_times(lambda x: torch.ops.mkldnn._linear_pointwise(x, weight, linear.bias, "none", [], ""),
-                                 linear.in_features)
+
+            def on_packed(x: torch.Tensor) -> torch.Tensor:
+                return torch.ops.mkldnn._linear_pointwise(x, weight, linear.bias, "none", [], "")
+
+            if agrees_with_f_linear(on_packed, linear):
+                packed = _call_times(on_packed, linear.in_features)
+            else:
+                log.warning("float32 linears: oneDNN's packed kernel disagrees with F.linear for %dx%d beyond "
+                            "rounding; not packed", linear.in_features, linear.out_features)
         _plans[key] = choose_plan(plain, packed)
     return _plans[key]
 
@@ -126,6 +134,18 @@ def _can_pack_float32() -> bool:
     except (RuntimeError, AttributeError) as exc:
         log.info("float32 linears: oneDNN cannot pack float32 weights here: %s", exc)
         return False
+    return True
+
+
+def agrees_with_f_linear(matmul: Callable[[torch.Tensor], torch.Tensor], linear: nn.Linear) -> bool:
+    """Whether `matmul` gives F.linear's results to float32 rounding (here about 1e-6 of the largest
+    output; a kernel that computes something else is off by far more) at 2 to MAX_ROWS rows."""
+    x = torch.randn(MAX_ROWS, linear.in_features, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        for n in range(2, MAX_ROWS + 1):
+            expected = F.linear(x[:n], linear.weight, linear.bias)
+            if not (matmul(x[:n]) - expected).abs().max() <= AGREEMENT * expected.abs().max():
+                return False
     return True
 
 

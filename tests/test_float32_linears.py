@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.cpu_linears import CpuLinear, RowPlan
-from shared.float32_linears import adapt_float32_linears, choose_plan, faster_padding
+from shared.float32_linears import adapt_float32_linears, agrees_with_f_linear, choose_plan, faster_padding
 from shared.model_runner import ModelRunner
 from shared.models import load_model
 
@@ -94,3 +94,16 @@ def test_a_model_off_the_cpu_or_in_another_dtype_is_left_alone() -> None:
     model = nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16))
     assert adapt_float32_linears(model) == (0, 0)
     assert type(model[0]) is nn.Linear
+
+
+def test_a_packed_kernel_that_computes_something_else_is_never_taken() -> None:
+    """The agreement check at load: a kernel off by more than rounding is refused, whatever its speed."""
+    linear = nn.Linear(64, 32)
+    packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+
+    def on_packed(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, linear.bias, "none", [], "")
+
+    assert agrees_with_f_linear(on_packed, linear)
+    assert not agrees_with_f_linear(lambda x: on_packed(x) * 1.001, linear)
+    assert not agrees_with_f_linear(lambda x: on_packed(x.flip(0)), linear)  # rows mixed up
