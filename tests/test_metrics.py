@@ -118,6 +118,7 @@ async def test_cache_hits_on_p_and_md_are_counted(stack, session, metrics_urls):
     prompt = "[cache] " + PROMPT
     before = await scrape(session, metrics_urls)
     first = await complete(session, stack, prompt, 4, pipeline="p-md")
+    await settled(session, metrics_urls)  # its KV enters P's and MD's caches as they finish, after its last token
     second = await complete(session, stack, prompt, 4, pipeline="p-md")
     after = await settled(session, metrics_urls)
     hits = {tier: first.summary["cached_tokens"][tier] + second.summary["cached_tokens"][tier]
