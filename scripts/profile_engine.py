@@ -4,8 +4,8 @@
 
 Times our own runner's packed forward (`ModelRunner.forward_packed`, what the sim's forward replaces)
 over a grid of steps: decode batches at several contexts, prefill chunks over cached prefixes, and mixed
-steps, each on the runner of the tier that runs it (a prefill chunk alone on P's, whose linears are not
-a decoder's: shared/float32_linears.py; every other step on a decoder's); fits step_s = a + b*rows +
+steps, each on the runner of the tier that runs it (a prefill chunk alone on P's, which neither pads nor
+splits its linears' calls: shared/cpu_linears.py; every other step on a decoder's); fits step_s = a + b*rows +
 c*tokens + d*positions attended by short rows (decode) + e*by long ones (prefill chunks) + f*tail tokens
 (shared/step_timing.py) on relative error, and writes samples and fit.
 Cached KV holds random values (timing does not depend on them). About three and a half minutes on two cores.

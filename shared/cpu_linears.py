@@ -26,7 +26,7 @@ one row per call: slower, and exact by construction. P's runner neither pads nor
 are a prompt's, never compared with another tier's, and splitting a 512-row chunk costs two to three
 times the call.
 
-float32 models: shared/float32_linears.py, on the same CpuLinear.
+float32 models are left alone: transformers' float32 results are the reference there.
 """
 from __future__ import annotations
 
@@ -52,14 +52,10 @@ Matmul = Callable[[torch.Tensor], torch.Tensor]  # [rows, in_features] -> [rows,
 
 @dataclass(frozen=True)
 class RowPlan:
-    """How a layer's calls are shaped. pad_to: calls of fewer rows (and at least pad_from) are padded
-    to this many; max_rows: calls of more rows are split into calls of at most this many (0: never
-    split); plain_rows: calls of at most this many rows run F.linear on the plain weight, whatever
-    else the layer holds."""
+    """How a layer's calls are shaped. pad_to: calls of fewer rows are padded to this many;
+    max_rows: calls of more rows are split into calls of at most this many (0: never split)."""
     pad_to: int = 1
     max_rows: int = 0
-    pad_from: int = 1
-    plain_rows: int = 0
 
     def calls(self, rows: int) -> list[tuple[int, int]]:
         """(first row, rows) of each call a `rows`-row input is computed in."""
@@ -84,18 +80,16 @@ class CpuLinear(nn.Module):
             self.weight = linear.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows, plan = x.numel() // self.in_features, self.plan
-        if rows <= plan.plain_rows:
-            return F.linear(x, self.weight, self.bias)
-        if rows < plan.pad_from or (rows >= plan.pad_to and (not plan.max_rows or rows <= plan.max_rows)):
-            return self._matmul(x.contiguous())  # no row (a chunk that samples nothing), too few to pad, or planned
+        rows = x.numel() // self.in_features
+        if rows == 0 or (rows >= self.plan.pad_to and (not self.plan.max_rows or rows <= self.plan.max_rows)):
+            return self._matmul(x.contiguous())  # no row (a chunk that samples nothing) or a planned count
         flat = x.reshape(rows, self.in_features)
         parts = [self._padded(flat.narrow(0, start, n)) for start, n in self.plan.calls(rows)]
         return torch.cat(parts).reshape(*x.shape[:-1], self.out_features)
 
     def _padded(self, rows: torch.Tensor) -> torch.Tensor:
         n = rows.shape[0]
-        if n >= self.plan.pad_to or n < self.plan.pad_from:
+        if n >= self.plan.pad_to:
             return self._matmul(rows.contiguous())
         filler = rows[:1].expand(self.plan.pad_to - n, -1)  # rows never mix in a matmul: any filler will do
         return self._matmul(torch.cat([rows, filler])).narrow(0, 0, n)
@@ -108,7 +102,7 @@ class CpuLinear(nn.Module):
     def extra_repr(self) -> str:
         packed = "packed" if self.packed is not None else "F.linear"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"{packed}, {self.plan}")
+                f"{packed}, pad_to={self.plan.pad_to}, max_rows={self.plan.max_rows}")
 
 
 def can_pack(model: nn.Module) -> bool:
@@ -144,23 +138,23 @@ def adapt_linears(model: nn.Module, row_invariant: bool = True, pack: bool = Tru
             owners[id(p)] = owners.get(id(p), 0) + 1
     linears = [(parent, name, child) for parent in list(model.modules())
                for name, child in list(parent.named_children()) if type(child) is nn.Linear]
-    shapes = sorted({shape_of(child) for _, _, child in linears})
+    shapes = sorted({_shape(child) for _, _, child in linears})
     packed = {shape: packing and packed_matches(shape, row_invariant) for shape in shapes}
     plan = decoder_plan(tuple(packed.items())) if row_invariant else RowPlan()
     for parent, name, child in linears:
-        setattr(parent, name, CpuLinear(child, plan, packed[shape_of(child)], keep_weight=owners[id(child.weight)] > 1))
+        setattr(parent, name, CpuLinear(child, plan, packed[_shape(child)], keep_weight=owners[id(child.weight)] > 1))
     for (inputs, outputs, _), on in packed.items():
         if packing and not on:
             log.info("packed linears: off for %dx%d, where oneDNN's packed kernel rounds apart from F.linear",
                      inputs, outputs)
-    count = sum(packed[shape_of(child)] for _, _, child in linears)
+    count = sum(packed[_shape(child)] for _, _, child in linears)
     if row_invariant:
         log.info("linears: a row gets the bits it gets %s, in calls of at most %d rows (%d of %d packed)",
                  "alone" if plan.pad_to == 1 else f"among {plan.pad_to}", plan.max_rows, count, len(linears))
     return count
 
 
-def shape_of(linear: nn.Linear) -> Shape:
+def _shape(linear: nn.Linear) -> Shape:
     return linear.in_features, linear.out_features, linear.bias is not None
 
 

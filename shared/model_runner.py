@@ -25,7 +25,6 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from shared import cpu_attention
 from shared.cpu_attention import DecodeAttention, KernelUnavailable
 from shared.cpu_linears import adapt_linears
-from shared.float32_linears import adapt_float32_linears
 from shared.sampling_params import SamplingParams, SamplingRow, TokenLogprob
 
 if TYPE_CHECKING:
@@ -315,9 +314,6 @@ class ModelRunner:
         model.set_attn_implementation(ATTENTION)
         # bfloat16 on a CPU: weights packed where that changes no bit; a decoder's rows alike at any count
         self.packed_linears = adapt_linears(model, row_invariant=row_invariant)
-        # float32 on a CPU: calls of 2 rows or more packed or padded where timing finds it faster
-        packed32, self.padded_linears = adapt_float32_linears(model, decoder=row_invariant)
-        self.packed_linears += packed32
         log.info("%s on %s: one-token attention by %s, KV kept in %s, %d linears packed", self.dtype, self.device,
                  "pdd's CPU kernel" if self.decode_attention else "torch's SDPA", self.kv_dtype, self.packed_linears)
 

@@ -116,8 +116,6 @@ class SimRunner(ModelRunner):
 def build_runner(config: ModelConfig, path: Path, row_invariant: bool = True) -> ModelRunner:
     """The runner `--engine` asks for: the model's own, or the simulated one timed by --sim-profile/--sim-device."""
     if config.engine == "real":
-        if config.torch_threads > 0:  # as the engine will run: the runner times its linears at load
-            torch.set_num_threads(config.torch_threads)
         return ModelRunner(load_model(path, config.dtype, config.device), config.decode_attention, row_invariant)
     model_config = modelled_shape(json.loads((path / "config.json").read_text()))  # a sim checkpoint's shape
     timing = timing_for(model_config, getattr(torch, config.dtype).itemsize, config.sim_device, config.sim_profile)

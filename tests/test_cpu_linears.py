@@ -1,6 +1,5 @@
 """A bfloat16 model's CPU linears: packing changes no bit, and a decoder's row comes out the same
-whatever number of rows shares its call, on whichever CPU (and oneDNN ISA cap) the suite runs.
-(float32: tests/test_float32_linears.py.)"""
+whatever number of rows shares its call, on whichever CPU (and oneDNN ISA cap) the suite runs."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -59,6 +58,12 @@ def test_packing_keeps_a_shared_weight_and_drops_the_others() -> None:
     x = torch.tensor([[1, 2, 3]])
     with torch.inference_mode():
         assert model(x).shape == (1, 3, 32)
+
+
+def test_float32_models_are_left_as_transformers_runs_them(tiny_path) -> None:
+    runner = ModelRunner(load_model(tiny_path, "float32", "cpu"))
+    assert runner.packed_linears == 0
+    assert not any(isinstance(m, CpuLinear) for m in runner.model.modules())
 
 
 def test_a_bfloat16_model_on_torchs_attention_keeps_its_kv_in_float32_holding_bfloat16_values(tiny_path) -> None:
