@@ -9,7 +9,12 @@
    looked dead meanwhile (`/healthz` polled every 100 ms, the gateway's `pdd_live_instances`).
 2. Event-loop lag under many streams: `--streams` concurrent streamed requests, then each
    service's `pdd_event_loop_lag_seconds` (its P99 as a histogram bucket bound) and
-   `pdd_event_loop_lag_max_seconds`, read from their /metrics.
+   `pdd_event_loop_lag_max_seconds`, and its Python garbage collections (`pdd_gc_*`: count, time
+   and longest pause by generation, objects frozen at start-up), read from their /metrics; and the
+   streams' gaps between tokens (median, P99, largest).
+
+`--gc-freeze off` starts every service with its start-up heap left to the collector (the default,
+on, freezes it: `shared/gc_heap.py`), to measure what the freeze is worth.
 
     .venv/bin/python scripts/bench_loop_lag.py --model smollm2 --streams 64 --out bench-results/loop-lag.json
 """
@@ -66,6 +71,24 @@ def lag_summary(metrics: dict[str, list[tuple[dict[str, str], float]]]) -> dict:
     p99 = next((le for le, count in buckets if count >= 0.99 * total), None) if total else None
     max_lag = metrics.get("pdd_event_loop_lag_max_seconds", [({}, None)])[0][1]
     return {"samples": int(total), "p99_at_most_s": p99, "max_s": max_lag}
+
+
+def gc_summary(metrics: dict[str, list[tuple[dict[str, str], float]]]) -> dict:
+    """A service's collections by generation: count, seconds in all, the longest; and its frozen heap."""
+    def by_generation(name: str) -> dict[str, float]:
+        return {labels["generation"]: value for labels, value in metrics.get(name, ())}
+
+    counts, seconds = by_generation("pdd_gc_collections_total"), by_generation("pdd_gc_pause_seconds_total")
+    longest = by_generation("pdd_gc_pause_max_seconds")
+    frozen = metrics.get("pdd_gc_frozen_objects", [({}, None)])[0][1]
+    return {"frozen_objects": frozen,
+            **{f"gen{g}": {"collections": int(counts.get(g, 0)), "seconds": seconds.get(g),
+                           "max_s": longest.get(g)} for g in ("0", "1", "2")}}
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
 
 
 async def get_text(http: aiohttp.ClientSession, url: str) -> tuple[int, str]:
@@ -139,11 +162,13 @@ async def stream_gaps(stack: LocalStack, args: argparse.Namespace) -> dict:
 async def many_streams(stack: LocalStack, metrics_ports: dict[str, int], args: argparse.Namespace) -> dict:
     rng = random.Random(1)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1200)) as http:
+        gaps: list[float] = []
+
         async def one() -> str:
             body = {"prompt": [rng.randrange(100, 40000) for _ in range(rng.randrange(32, 256))],
                     "max_tokens": args.stream_max_tokens, "temperature": 0, "ignore_eos": True}
             try:
-                await stream_completion(http, stack.api_url, body)
+                gaps.extend((await stream_completion(http, stack.api_url, body)).gaps_s)
                 return "ok"
             except (TimeoutError, ApiError, aiohttp.ClientError) as exc:
                 return f"failed: {exc}"
@@ -151,20 +176,28 @@ async def many_streams(stack: LocalStack, metrics_ports: dict[str, int], args: a
         t0 = time.monotonic()
         outcomes = await asyncio.gather(*(one() for _ in range(args.streams)))
         seconds = time.monotonic() - t0
-        lags = {"gateway": lag_summary(parse_metrics((await get_text(http, f"{stack.api_url}/metrics"))[1]))}
-        for role, port in metrics_ports.items():
-            lags[role] = lag_summary(parse_metrics((await get_text(http, f"http://127.0.0.1:{port}/metrics"))[1]))
+        urls = {"gateway": f"{stack.api_url}/metrics",
+                **{role: f"http://127.0.0.1:{port}/metrics" for role, port in metrics_ports.items()}}
+        lags, collections = {}, {}
+        for role, url in urls.items():
+            metrics = parse_metrics((await get_text(http, url))[1])
+            lags[role], collections[role] = lag_summary(metrics), gc_summary(metrics)
     return {"streams": args.streams, "seconds": seconds, "ok": outcomes.count("ok"),
-            "failed": [o for o in outcomes if o != "ok"][:5], "event_loop_lag": lags}
+            "failed": [o for o in outcomes if o != "ok"][:5], "event_loop_lag": lags, "gc": collections,
+            "token_gaps": {"count": len(gaps), "median_s": percentile(gaps, 0.5), "p99_s": percentile(gaps, 0.99),
+                           "max_s": max(gaps, default=None)}}
 
 
 async def run(args: argparse.Namespace) -> dict:
     metrics_ports = {role: free_port() for role in MODEL_ROLES}
     config = StackConfig(model=args.model, port=0, pipeline=args.pipeline, startup_timeout_s=600,
                          log_dir=Path(tempfile.mkdtemp(prefix="pdd-loop-lag-")),
-                         extra_args={role: ["--metrics-port", str(port)] for role, port in metrics_ports.items()})
+                         extra_args={"gateway": ["--gc-freeze", args.gc_freeze],
+                                     **{role: ["--metrics-port", str(port), "--gc-freeze", args.gc_freeze]
+                                        for role, port in metrics_ports.items()}})
     async with LocalStack(config) as stack:
-        report = {"model": args.model, "pipeline": args.pipeline, "gaps": await stream_gaps(stack, args)}
+        report = {"model": args.model, "pipeline": args.pipeline, "gc_freeze": args.gc_freeze,
+                  "gaps": None if args.skip_gaps else await stream_gaps(stack, args)}
         print(json.dumps(report["gaps"], indent=1), flush=True)
         report["many_streams"] = await many_streams(stack, metrics_ports, args)
         print(json.dumps(report["many_streams"], indent=1), flush=True)
@@ -179,6 +212,8 @@ def main() -> None:
     p.add_argument("--warm-tokens", type=int, default=40)
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--stream-max-tokens", type=int, default=32)
+    p.add_argument("--gc-freeze", choices=("on", "off"), default="on", help="every service's --gc-freeze")
+    p.add_argument("--skip-gaps", action="store_true", help="only the many streams (part 2)")
     p.add_argument("--out", type=Path, default=Path("bench-results/loop-lag.json"))
     args = p.parse_args()
     report = asyncio.run(run(args))

@@ -20,6 +20,7 @@ from prometheus_client import (
     start_http_server,
 )
 
+from shared import gc_heap
 from shared.loop_lag import LoopLagMonitor
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class _RoleMetrics:
     def __init__(self, registry: CollectorRegistry | None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         ProcessCollector(registry=self.registry)
+        self.registry.register(gc_heap.shared().collector())
         r = self.registry
         self.running_requests = Gauge("pdd_running_requests", "Requests held by this service now", registry=r)
         self.queue_depth = Gauge(

@@ -154,3 +154,20 @@ async def test_gateway_reports_live_instances(stack, session, metrics_urls):
     now = await scrape(session, metrics_urls)
     for role in MODEL_ROLES:
         assert now["gateway"][("pdd_live_instances", frozenset({("role", role)}))] == 1
+
+
+async def test_every_service_froze_its_start_up_heap_and_counts_its_collections(stack, session, metrics_urls):
+    """`--gc-freeze on` (the default): start-up's objects (torch, the model) are out of the
+    collector's sight in every process, and each reports its collections by generation."""
+    await complete(session, stack, PROMPT, 4)
+    now = await scrape(session, metrics_urls)
+    young = 0.0
+    for role in ("gateway", *MODEL_ROLES):
+        assert now[role][("pdd_gc_frozen_objects", frozenset())] > 10_000, role
+        collections = [now[role][("pdd_gc_collections_total", frozenset({("generation", str(g))}))]
+                       for g in range(3)]
+        young += collections[0]
+        for generation in range(3):
+            longest = now[role][("pdd_gc_pause_max_seconds", frozenset({("generation", str(generation))}))]
+            assert longest >= 0 and (longest > 0) == (collections[generation] > 0), role
+    assert young > 0  # requests allocate: somewhere the youngest generation was collected
