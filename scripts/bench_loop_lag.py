@@ -79,11 +79,11 @@ def gc_summary(metrics: dict[str, list[tuple[dict[str, str], float]]]) -> dict:
         return {labels["generation"]: value for labels, value in metrics.get(name, ())}
 
     counts, seconds = by_generation("pdd_gc_collections_total"), by_generation("pdd_gc_pause_seconds_total")
-    longest = by_generation("pdd_gc_pause_max_seconds")
+    longest, freed = by_generation("pdd_gc_pause_max_seconds"), by_generation("pdd_gc_collected_objects_total")
     frozen = metrics.get("pdd_gc_frozen_objects", [({}, None)])[0][1]
     return {"frozen_objects": frozen,
             **{f"gen{g}": {"collections": int(counts.get(g, 0)), "seconds": seconds.get(g),
-                           "max_s": longest.get(g)} for g in ("0", "1", "2")}}
+                           "max_s": longest.get(g), "collected": int(freed.get(g, 0))} for g in ("0", "1", "2")}}
 
 
 def percentile(values: list[float], q: float) -> float | None:

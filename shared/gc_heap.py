@@ -56,6 +56,7 @@ class GCPauses:
         self.collections = [0, 0, 0]
         self.seconds = [0.0, 0.0, 0.0]
         self.max_seconds = [0.0, 0.0, 0.0]
+        self.collected = [0, 0, 0]  # unreachable objects freed: garbage in reference cycles
         self._began: float | None = None  # when the collection under way began (one at a time per process)
         self._installed = False
 
@@ -63,6 +64,7 @@ class GCPauses:
         self.collections = [0, 0, 0]
         self.seconds = [0.0, 0.0, 0.0]
         self.max_seconds = [0.0, 0.0, 0.0]
+        self.collected = [0, 0, 0]
 
     def install(self) -> GCPauses:
         if not self._installed:
@@ -86,6 +88,7 @@ class GCPauses:
         self.collections[generation] += 1
         self.seconds[generation] += took
         self.max_seconds[generation] = max(self.max_seconds[generation], took)
+        self.collected[generation] += info["collected"]
 
     def collector(self) -> Collector:
         """A Prometheus collector of these pauses and of the frozen heap's size."""
@@ -105,14 +108,20 @@ class _GCCollector(Collector):
                                       labels=["generation"])
         longest = GaugeMetricFamily("pdd_gc_pause_max_seconds", "The longest Python garbage collection "
                                     "since start, by generation", labels=["generation"])
+        collected = CounterMetricFamily("pdd_gc_collected_objects", "Objects Python's garbage collections "
+                                        "freed, by generation: garbage in reference cycles, which only a "
+                                        "collection frees (with what they hold, tensors included)",
+                                        labels=["generation"])
         for generation in GENERATIONS:
             label = [str(generation)]
             count.add_metric(label, pauses.collections[generation])
             seconds.add_metric(label, pauses.seconds[generation])
             longest.add_metric(label, pauses.max_seconds[generation])
+            collected.add_metric(label, pauses.collected[generation])
         yield count
         yield seconds
         yield longest
+        yield collected
         yield GaugeMetricFamily("pdd_gc_frozen_objects", "Objects moved out of the collector's sight at "
                                 "start-up (--gc-freeze)", value=gc.get_freeze_count())
 

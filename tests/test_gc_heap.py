@@ -46,9 +46,15 @@ def test_freezing_collects_the_garbage_first_and_leaves_no_start_up_object_to_th
     assert done.stdout.startswith("ok ")
 
 
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
 def test_every_collection_is_counted_and_timed_by_generation() -> None:
     pauses = gc_heap.GCPauses().install()
     try:
+        _Cycle()  # garbage only a collection frees
         gc.collect(1)
         gc.collect(2)
         gc.collect(2)
@@ -56,6 +62,7 @@ def test_every_collection_is_counted_and_timed_by_generation() -> None:
         pauses.uninstall()
     assert pauses.collections[1] >= 1 and pauses.collections[2] >= 2
     assert pauses.seconds[2] >= pauses.max_seconds[2] > 0
+    assert pauses.collected[1] >= 1
     gc.collect(2)  # uninstalled: no longer counted
     assert pauses.collections[2] == 2
 
@@ -73,4 +80,5 @@ def test_the_collector_reports_pauses_and_the_frozen_heap() -> None:
     count = next(line for line in text.splitlines() if line.startswith('pdd_gc_collections_total{generation="0"}'))
     assert float(count.split()[-1]) == pauses.collections[0] >= 1
     assert "pdd_gc_pause_seconds_total" in text and "pdd_gc_pause_max_seconds" in text
+    assert 'pdd_gc_collected_objects_total{generation="0"}' in text
     assert f"pdd_gc_frozen_objects {float(gc.get_freeze_count())}" in text
