@@ -1,12 +1,13 @@
 """Python's garbage collector in a serving process: the start-up heap frozen, and every pause counted.
 
 A P, RLD or MD process tracks about 390,000 objects once torch, transformers and its model are
-loaded, and a full collection walks all of them: 0.19-0.30 s in a service serving SmolLM2 on a
+loaded, and a full collection walks all of them: 0.19-0.37 s in a service serving SmolLM2 on a
 2-core EPYC, with the GIL held, so the event loop, the engine thread and every token stream stop
-for it. (Requests leave few objects behind, so full collections come rarely, but each is a stall.) Nothing start-up
-made (modules, the model, the tokenizer's tables) ever becomes garbage, so once a service is up
-`freeze_startup_heap` collects once and moves what is left out of the collector's sight
-(`gc.freeze`, as vLLM does after its warm-up); what requests allocate later is still collected.
+for it. (Requests leave few objects behind, so full collections come rarely, but each is a
+stall.) Nothing start-up made (modules, the model, the tokenizer's tables) ever becomes garbage,
+so once a service is up `freeze_startup_heap` collects once and moves what is left out of the
+collector's sight (`gc.freeze`, as vLLM does after its warm-up); what requests allocate later is
+still collected.
 
 `GCPauses` times every collection the process makes, by generation (a `gc.callbacks` hook that
 only adds numbers: it takes no lock, since a collection can start inside any code holding one),
@@ -50,21 +51,20 @@ def freeze_startup_heap() -> FrozenHeap:
 
 
 class GCPauses:
-    """Every collection's duration, by generation, since `install`. One per process (`shared()`)."""
+    """Every collection's duration, by generation, since `install` (or `reset`). One per process
+    (`shared()`, which a service's metrics install and its start-up's freeze resets)."""
 
     def __init__(self) -> None:
-        self.collections = [0, 0, 0]
-        self.seconds = [0.0, 0.0, 0.0]
-        self.max_seconds = [0.0, 0.0, 0.0]
-        self.collected = [0, 0, 0]  # unreachable objects freed: garbage in reference cycles
+        self.reset()
         self._began: float | None = None  # when the collection under way began (one at a time per process)
         self._installed = False
 
     def reset(self) -> None:
+        """Count from now."""
         self.collections = [0, 0, 0]
         self.seconds = [0.0, 0.0, 0.0]
         self.max_seconds = [0.0, 0.0, 0.0]
-        self.collected = [0, 0, 0]
+        self.collected = [0, 0, 0]  # unreachable objects freed: garbage in reference cycles
 
     def install(self) -> GCPauses:
         if not self._installed:
@@ -101,13 +101,13 @@ class _GCCollector(Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         pauses = self.pauses
-        count = CounterMetricFamily("pdd_gc_collections", "Python garbage collections, by generation "
-                                    "(2: full)", labels=["generation"])
+        count = CounterMetricFamily("pdd_gc_collections", "Python garbage collections since the service was "
+                                    "ready, by generation (2: full)", labels=["generation"])
         seconds = CounterMetricFamily("pdd_gc_pause_seconds", "Time spent in Python garbage collections, "
                                       "by generation: every thread of the process waits meanwhile",
                                       labels=["generation"])
         longest = GaugeMetricFamily("pdd_gc_pause_max_seconds", "The longest Python garbage collection "
-                                    "since start, by generation", labels=["generation"])
+                                    "since the service was ready, by generation", labels=["generation"])
         collected = CounterMetricFamily("pdd_gc_collected_objects", "Objects Python's garbage collections "
                                         "freed, by generation: garbage in reference cycles, which only a "
                                         "collection frees (with what they hold, tensors included)",
