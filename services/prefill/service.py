@@ -200,6 +200,10 @@ class PrefillService:
         job = self.jobs.get(abort.request_id)
         if job is None or job.ended or job.task is None:
             return
+        if abort.reason == AbortReason.FINISHED and job.phase is Phase.SENDING and not job.open_transfers():
+            # every path has its KV; what is left is the copy into P's prefix cache, which a short
+            # answer can finish before: the session's next turn needs it, so it is not cut short
+            return
         if abort.reason == AbortReason.FINISHED_ON_RELAY and abort.backfill_bytes_per_s > 0 and self._backfill(
                 job, abort.backfill_bytes_per_s):
             return
