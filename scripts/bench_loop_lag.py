@@ -86,10 +86,6 @@ def gc_summary(metrics: dict[str, list[tuple[dict[str, str], float]]]) -> dict:
                            "max_s": longest.get(g), "collected": int(freed.get(g, 0))} for g in ("0", "1", "2")}}
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
-
 
 async def get_text(http: aiohttp.ClientSession, url: str) -> tuple[int, str]:
     async with http.get(url) as resp:
@@ -184,7 +180,8 @@ async def many_streams(stack: LocalStack, metrics_ports: dict[str, int], args: a
             lags[role], collections[role] = lag_summary(metrics), gc_summary(metrics)
     return {"streams": args.streams, "seconds": seconds, "ok": outcomes.count("ok"),
             "failed": [o for o in outcomes if o != "ok"][:5], "event_loop_lag": lags, "gc": collections,
-            "token_gaps": {"count": len(gaps), "median_s": percentile(gaps, 0.5), "p99_s": percentile(gaps, 0.99),
+            "token_gaps": {"count": len(gaps), "median_s": statistics.median(gaps) if gaps else None,
+                           "p99_s": statistics.quantiles(gaps, n=100)[98] if len(gaps) > 1 else None,
                            "max_s": max(gaps, default=None)}}
 
 
