@@ -226,15 +226,14 @@ class BatchEngine:
 
     async def fill(self, key: str, part: torch.Tensor) -> None:
         """Copy KV positions [layers, 2, kv_heads, tokens, head_dim] after an admitted request's filled
-        ones, between steps, at most `fill_slice_bytes` between two steps (a slice waits for the
-        previous one's copy, so the others' steps go on in between)."""
-        tokens = part.shape[3]
-        token_bytes = part[:, :, :, :1].nbytes or 1
-        step = max(1, self.config.fill_slice_bytes // token_bytes) if self.config.fill_slice_bytes else tokens
-        for start in range(0, tokens, step):
-            await self.run(self._fill, key, part[:, :, :, start:start + step])
-        if not tokens:
-            await self.run(self._fill, key, part)  # still checks that the request is admitted
+        ones, between steps: in each gap, slices of `fill_slice_bytes` for up to `fill_step_share` of a
+        step's time (at least one slice), so a long prefix pauses the others' next token by a bounded
+        share of a step and is in after a few steps, not one slice a step."""
+        start = 0
+        while True:
+            start = await self.run(self._fill_slices, key, part, start)
+            if start >= part.shape[3]:
+                return
 
     async def export(self, key: str, start: int, end: int) -> torch.Tensor:
         """A copy of positions [start, end) of a request's KV, taken between steps."""
@@ -530,11 +529,23 @@ class BatchEngine:
             settled.append((work.future, result, None))
         return settled
 
-    def _fill(self, key: str, part: torch.Tensor) -> None:
+    def _fill_slices(self, key: str, part: torch.Tensor, start: int) -> int:
+        """Copy part's positions from `start` on, a slice at a time, until this gap's time is spent;
+        where the next gap starts."""
         slot = self.kv_budget.slots.get(key)
         if slot is None:
             raise NotAdmitted(f"{key} holds no KV here")
-        self.runner.append_kv(slot.kv, part)
+        tokens = part.shape[3]
+        token_bytes = part[:, :, :, :1].nbytes or 1
+        step = max(1, self.config.fill_slice_bytes // token_bytes) if self.config.fill_slice_bytes else tokens
+        budget_s = self.config.fill_step_share * self.step_holds.step_s
+        began = time.perf_counter()
+        while True:
+            end = min(tokens, start + step)
+            self.runner.append_kv(slot.kv, part[:, :, :, start:end])  # an empty part: the admission check alone
+            start = end
+            if start >= tokens or time.perf_counter() - began >= budget_s:
+                return start
 
     def _export(self, key: str, start: int, end: int) -> torch.Tensor:
         slot = self.kv_budget.slots.get(key)

@@ -216,8 +216,12 @@ class EngineConfig:
                                     "budget cannot give them, the newest request is preempted and the gateway "
                                     "restarts it (0: reserve it all at admission)")
     fill_slice_bytes: int = flag(4 << 20, "KV arriving for an admitted request (MD's DRC prefix, what P sent) is "
-                                          "copied into the engine at most this many bytes between two steps, so "
-                                          "a long prefix does not hold back the others' next token (0: at once)")
+                                          "copied into the engine between two steps in slices of this many bytes "
+                                          "(0: all at once)")
+    fill_step_share: float = flag(0.25, "between two steps, copy such slices for up to this share of a step's "
+                                        "time (at least one slice), so a long prefix delays the others' next "
+                                        "token by at most that share and is in after a few steps (0: one slice "
+                                        "a gap)")
     gather_s: float = 0.005  # after a step, how long to wait for the requests it served to come back
     hold_steps: float = flag(0.5, "how long, in steps, the engine may hold its next step for work announced to "
                                   "arrive (MD: RLD's cut), so the handoff's last pass does not wait a whole step "

@@ -106,6 +106,28 @@ async def test_a_request_admitted_with_its_prefix_takes_the_rest_by_fill(runner,
             await engine.fill("unknown", rest)
 
 
+@pytest.mark.parametrize("share, copies", [(0.0, 16), (1e6, 1)])
+async def test_a_fill_copies_slices_for_its_share_of_a_step(runner, prompts, tiny_generate, tmp_path, share, copies):
+    """Between two steps a fill copies slices for up to `fill_step_share` of a step's time, at least
+    one: with no share, one slice a gap (16 for 16 positions, as MD's DRC prefix took one 4 MiB slice
+    a step); with a step's worth, the whole part in the first gap. Token-exact either way."""
+    prompt_ids = prompts[5]
+    kv = prompt_kv(runner, prompt_ids)[0]
+    head, rest = kv[:, :, :, :-16], kv[:, :, :, -16:]
+    path = tmp_path / "timeline.jsonl"
+    with engine_with(runner, kv_grow_tokens=4, fill_slice_bytes=kv[:, :, :, :1].nbytes, fill_step_share=share,
+                     timeline_path=str(path)) as engine:
+        warm = sequence(runner, "warm", prompts[0], 3)  # a step's time known: the budget is a share of it
+        await engine.open(warm.request_id, prompt_kv(runner, prompts[0]), warm.kv_tokens_needed, warm)
+        await decode_admitted(engine, warm)
+        seq = sequence(runner, "md", prompt_ids, 12)
+        await engine.open(seq.request_id, [head], seq.kv_tokens_needed, seq, len(prompt_ids) - 1)
+        await engine.fill(seq.request_id, rest)
+        assert await decode_admitted(engine, seq) == tiny_generate(prompt_ids, 12)
+    fills = [e for e in read_timeline(path) if e["kind"] == "command" and e["label"] == "fill_slices"]
+    assert len(fills) == copies
+
+
 async def decode_admitted(engine: BatchEngine, seq: DecodeSequence, eager_ids: list[int] = ()) -> list[int]:
     """An admitted request's (extend-)decode to the end, then its release."""
     try:
