@@ -201,6 +201,10 @@ class ModelConfig:
     sim_device: str = flag("h100", "--engine sim: the device whose roofline times each step (h100, h800, h20)")
     sim_profile: str = flag("", "--engine sim: a measured step-time profile (a path, or a name in "
                                 "shared/sim_profiles/) instead of --sim-device's roofline")
+    sim_wait: str = flag("sleep", "--engine sim: how a step takes its modelled time: 'sleep' (each tier on a "
+                                  "device of its own) or 'cpu' (that much CPU time spent on the engine thread, "
+                                  "so tiers that share cores slow each other as real engines do: for checking "
+                                  "the sim against real engines on the same host)", choices=("sleep", "cpu"))
 
 
 @dataclass(frozen=True)

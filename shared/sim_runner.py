@@ -1,6 +1,8 @@
 """A ModelRunner without a model (`--engine sim`): the batch engine above it stays as it is.
 
-Each forward sleeps the step time a timing model gives (shared/step_timing.py) and returns logits that
+Each forward takes the step time a timing model gives (shared/step_timing.py): it sleeps it, or with
+`--sim-wait cpu` spends it as CPU time, so that tiers sharing a host's cores slow each other down as
+real engines do. It returns logits that
 put a deterministic token on top: a hash of the last CONTEXT_TOKENS token ids and the position. The
 KV it writes is of the model's shape and encodes each position's token id, so KV that crossed a socket
 (P's prompt, MD's DRC prefix) tells the receiver's runner the context, and a handoff stays token-exact.
@@ -38,10 +40,24 @@ def next_token(context: list[int], position: int, vocab: int, avoid: frozenset[i
     return token
 
 
+_CPU_WORK = bytes(64 * 1024)  # what spend_cpu hashes: in L2, and hashlib lets go of the GIL for it
+
+
+def spend_cpu(seconds: float) -> None:
+    """Keep this thread busy for `seconds` of its own CPU time, the GIL free meanwhile (as it is in a
+    torch kernel): on a contended core the wall time stretches, as a real forward's would."""
+    until = time.thread_time() + seconds
+    while time.thread_time() < until:
+        hashlib.sha256().update(_CPU_WORK)
+
+
 class SimRunner(ModelRunner):
     """ModelRunner's interface (KV allocation, growth, copies are its own code) with a modelled forward."""
 
-    def __init__(self, path: Path, dtype: str, device: str, timing: StepTiming) -> None:
+    def __init__(self, path: Path, dtype: str, device: str, timing: StepTiming, wait: str = "sleep") -> None:
+        if wait not in ("sleep", "cpu"):
+            raise ValueError(f"--sim-wait: 'sleep' or 'cpu', not {wait!r}")
+        self.wait = wait
         config = json.loads((path / "config.json").read_text())
         self.config = AutoConfig.from_pretrained(path)
         self.timing = timing
@@ -68,7 +84,7 @@ class SimRunner(ModelRunner):
         return {"sim_modelled_s": self.modelled_s, "sim_steps": self.steps}
 
     def forward_packed(self, rows: list[PackedRow]) -> torch.Tensor:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         step_s = self.timing.step_s([StepRow(r.kv.length, len(r.token_ids),
                                              len(r.token_ids) if r.every_logit else int(r.want_logits))
                                      for r in rows])
@@ -86,9 +102,12 @@ class SimRunner(ModelRunner):
                 logits.append(self._logits(next_token(seen, position, self.vocab, self.avoid), position))
         self.modelled_s += step_s
         self.steps += 1
-        left_s = step_s - (time.perf_counter() - started)
-        if left_s > 0:
-            time.sleep(left_s)  # the engine thread's, as a real forward would block it
+        if self.wait == "cpu":
+            spend_cpu(step_s - (time.thread_time() - cpu_started))
+        else:
+            left_s = step_s - (time.perf_counter() - started)
+            if left_s > 0:
+                time.sleep(left_s)  # the engine thread's, as a real forward would block it
         if not logits:
             return torch.empty((0, self.vocab))
         return torch.stack(logits)
@@ -119,4 +138,4 @@ def build_runner(config: ModelConfig, path: Path, row_invariant: bool = True) ->
         return ModelRunner(load_model(path, config.dtype, config.device), config.decode_attention, row_invariant)
     model_config = modelled_shape(json.loads((path / "config.json").read_text()))  # a sim checkpoint's shape
     timing = timing_for(model_config, getattr(torch, config.dtype).itemsize, config.sim_device, config.sim_profile)
-    return SimRunner(path, config.dtype, config.device, timing)
+    return SimRunner(path, config.dtype, config.device, timing, config.sim_wait)

@@ -260,6 +260,26 @@ async def test_a_sim_step_sleeps_its_modelled_time(tiny_path):
     assert modelled_s <= wall_s < modelled_s + 5.0
 
 
+async def test_with_sim_wait_cpu_a_step_spends_its_modelled_time_on_a_core(tiny_path):
+    """`--sim-wait cpu`: each step's modelled time is CPU time of the engine thread (sleep would
+    spend almost none), so a sim tier on a shared core slows its neighbours as a real one does."""
+    slow = dataclasses.replace(DEVICES["h20"], name="slow", step_overhead_s=0.02)
+    timing = Roofline(ModelShape.from_config(json.loads((tiny_path / "config.json").read_text()), 4), slow)
+    runner = SimRunner(tiny_path, "float32", "cpu", timing, wait="cpu")
+    prompt_ids = random_prompt(6, 20)
+    parts = prompt_kv(runner, prompt_ids)
+    modelled_before_s = runner.modelled_s
+    with engine_with(runner) as engine:
+        cpu_before_s = time.process_time()
+        await decode(engine, runner, "r", prompt_ids, 10, parts)
+        cpu_s = time.process_time() - cpu_before_s
+    modelled_s = runner.modelled_s - modelled_before_s
+    assert modelled_s >= 0.2
+    assert cpu_s >= modelled_s
+    with pytest.raises(ValueError, match="sim-wait"):
+        SimRunner(tiny_path, "float32", "cpu", timing, wait="spin")
+
+
 async def test_a_sim_stack_hands_off_token_exact_with_the_scaled_kv_on_the_wan(stack, session, sim):
     prompt_ids = random_prompt(11, 30)
     wan_before = (await stack.wan.stats())["routes"][MD_KV_ROUTE]["a_to_b"]["bytes"]
