@@ -124,7 +124,9 @@ async def test_cache_hits_on_p_and_md_are_counted(stack, session, metrics_urls):
     hits = {tier: first.summary["cached_tokens"][tier] + second.summary["cached_tokens"][tier]
             for tier in ("prefill", "main")}
     for tier in ("prefill", "main"):  # the first may share a token or two (BOS) with earlier prompts
-        assert second.summary["cached_tokens"][tier] > first.summary["cached_tokens"][tier]
+        assert second.summary["cached_tokens"][tier] > first.summary["cached_tokens"][tier], (
+            f"{tier}'s cache did not serve the repeat: cached tokens first {first.summary['cached_tokens']},"
+            f" second {second.summary['cached_tokens']}")
     assert delta(before, after, "prefill", "pdd_cache_hit_tokens_total") == hits["prefill"]
     assert delta(before, after, "main", "pdd_cache_hit_tokens_total") == hits["main"]
     prompt_tokens = first.usage["prompt_tokens"]
