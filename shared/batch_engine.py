@@ -231,7 +231,7 @@ class BatchEngine:
         share of a step and is in after a few steps, not one slice a step."""
         start = 0
         while True:
-            start = await self.run(self._fill_slices, key, part, start)
+            start = await self.run(self._fill, key, part, start)
             if start >= part.shape[3]:
                 return
 
@@ -529,7 +529,7 @@ class BatchEngine:
             settled.append((work.future, result, None))
         return settled
 
-    def _fill_slices(self, key: str, part: torch.Tensor, start: int) -> int:
+    def _fill(self, key: str, part: torch.Tensor, start: int) -> int:
         """Copy part's positions from `start` on, a slice at a time, until this gap's time is spent;
         where the next gap starts."""
         slot = self.kv_budget.slots.get(key)

@@ -124,7 +124,7 @@ async def test_a_fill_copies_slices_for_its_share_of_a_step(runner, prompts, tin
         await engine.open(seq.request_id, [head], seq.kv_tokens_needed, seq, len(prompt_ids) - 1)
         await engine.fill(seq.request_id, rest)
         assert await decode_admitted(engine, seq) == tiny_generate(prompt_ids, 12)
-    fills = [e for e in read_timeline(path) if e["kind"] == "command" and e["label"] == "fill_slices"]
+    fills = [e for e in read_timeline(path) if e["kind"] == "command" and e["label"] == "fill"]
     assert len(fills) == copies
 
 
