@@ -30,6 +30,7 @@ DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 DEFAULT_MODEL = "smollm2"
 ENV_PREFIX = "PDD_"
+SIM_WAITS = ("sleep", "cpu")  # --sim-wait: how a simulated step takes its time (shared/sim_runner.py)
 _FLAG = "pdd.flag"
 
 
@@ -204,7 +205,7 @@ class ModelConfig:
     sim_wait: str = flag("sleep", "--engine sim: how a step takes its modelled time: 'sleep' (each tier on a "
                                   "device of its own) or 'cpu' (that much CPU time spent on the engine thread, "
                                   "so tiers that share cores slow each other as real engines do: for checking "
-                                  "the sim against real engines on the same host)", choices=("sleep", "cpu"))
+                                  "the sim against real engines on the same host)", choices=SIM_WAITS)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from shared.config import ModelConfig
+from shared.config import SIM_WAITS, ModelConfig
 from shared.model_runner import ModelRunner, PackedRow, SequenceKV
 from shared.models import load_model, pick_device
 from shared.sim_checkpoint import modelled_shape
@@ -55,8 +55,8 @@ class SimRunner(ModelRunner):
     """ModelRunner's interface (KV allocation, growth, copies are its own code) with a modelled forward."""
 
     def __init__(self, path: Path, dtype: str, device: str, timing: StepTiming, wait: str = "sleep") -> None:
-        if wait not in ("sleep", "cpu"):
-            raise ValueError(f"--sim-wait: 'sleep' or 'cpu', not {wait!r}")
+        if wait not in SIM_WAITS:
+            raise ValueError(f"--sim-wait: one of {', '.join(SIM_WAITS)}, not {wait!r}")
         self.wait = wait
         config = json.loads((path / "config.json").read_text())
         self.config = AutoConfig.from_pretrained(path)

@@ -238,10 +238,14 @@ async def test_sim_tokens_depend_on_the_context_only_batched_received_or_handed_
     assert not sim.avoid & {t for out in alone for t in out}
 
 
-async def test_a_sim_step_sleeps_its_modelled_time(tiny_path):
-    # a slow device, so each step is long against the engine's own overhead
+def slow_timing(tiny_path) -> Roofline:
+    """A slow device, so each step is long against the engine's own overhead."""
     slow = dataclasses.replace(DEVICES["h20"], name="slow", step_overhead_s=0.02)
-    timing = Roofline(ModelShape.from_config(json.loads((tiny_path / "config.json").read_text()), 4), slow)
+    return Roofline(ModelShape.from_config(json.loads((tiny_path / "config.json").read_text()), 4), slow)
+
+
+async def test_a_sim_step_sleeps_its_modelled_time(tiny_path):
+    timing = slow_timing(tiny_path)
     runner = SimRunner(tiny_path, "float32", "cpu", timing)
     prompt_ids = random_prompt(5, 20)
     parts = prompt_kv(runner, prompt_ids)
@@ -263,8 +267,7 @@ async def test_a_sim_step_sleeps_its_modelled_time(tiny_path):
 async def test_with_sim_wait_cpu_a_step_spends_its_modelled_time_on_a_core(tiny_path):
     """`--sim-wait cpu`: each step's modelled time is CPU time of the engine thread (sleep would
     spend almost none), so a sim tier on a shared core slows its neighbours as a real one does."""
-    slow = dataclasses.replace(DEVICES["h20"], name="slow", step_overhead_s=0.02)
-    timing = Roofline(ModelShape.from_config(json.loads((tiny_path / "config.json").read_text()), 4), slow)
+    timing = slow_timing(tiny_path)
     runner = SimRunner(tiny_path, "float32", "cpu", timing, wait="cpu")
     prompt_ids = random_prompt(6, 20)
     parts = prompt_kv(runner, prompt_ids)
